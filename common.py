@@ -1,0 +1,306 @@
+"""What the scripts share and is not the lesson: devices and process groups, Fashion-MNIST held in
+memory, evaluation, a timer, the common command line and the output files.
+
+`python common.py --data-dir DIR` only prepares the data (run_all.sh uses it)."""
+import argparse, contextlib, datetime, gzip, io, json, math, os, shutil, socket, struct, sys, time
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# ---------------------------------------------------------------- devices, backend, processes
+def try_gpu(i=0):
+    return torch.device(f"cuda:{i}") if torch.cuda.device_count() > i else torch.device("cpu")
+
+def try_all_gpus():
+    return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+
+def pick_backend(cuda=None, platform=sys.platform):
+    # NCCL exists only for CUDA on Linux; gloo runs everywhere else (on Windows set USE_LIBUV=0).
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "nccl" if cuda and platform.startswith("linux") else "gloo"
+
+def free_port():
+    with socket.socket() as s:   # port 0: the OS picks one nobody uses, so two jobs never collide
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def share_cores(processes_on_this_machine):
+    # torchrun exports OMP_NUM_THREADS=1; when we start the processes ourselves, split the cores.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes_on_this_machine))
+
+def spawn_ranks(worker, world_size, args):
+    """Start `world_size` processes here with the variables torchrun would set, on a free port."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        mp.spawn(_run_rank, args=(worker, args), nprocs=world_size)
+    except mp.ProcessExitedException as e:   # the rank already printed why; no parent traceback
+        sys.exit(e.exit_code or 1)
+
+def _run_rank(local_rank, worker, args):
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    worker(args)
+
+def init_distributed(timeout_s):
+    """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (torchrun or
+    spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = pick_backend()
+    if backend == "nccl":
+        if local_world > torch.cuda.device_count():   # NCCL would say "Duplicate GPU detected"
+            sys.exit(f"rank {rank}: error: {local_world} processes on this node but "
+                     f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or use gloo "
+                     f"on CPU with CUDA_VISIBLE_DEVICES=")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        share_cores(local_world)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:   # the timeout bounds the rendezvous and every later collective
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        sys.exit(f"rank {rank}: error: the process group at {where} (world size {world_size}) did "
+                 f"not form within {timeout_s:g} s; were all ranks started? "
+                 f"({str(e).splitlines()[0]})")
+    return rank, world_size, device
+
+# ---------------------------------------------------------------- Fashion-MNIST in memory
+FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+         "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
+MEAN, STD = 0.2860, 0.3530    # of the training images, for inputs near zero mean, unit variance
+
+def _find_files(data_dir):   # the files as given, or as torchvision leaves them (unpacked)
+    for d in (data_dir, os.path.join(data_dir, "FashionMNIST", "raw")):
+        paths = [os.path.join(d, f) for pair in FILES.values() for f in pair]
+        paths = [p if os.path.isfile(p) else p[:-3] for p in paths]
+        if all(os.path.isfile(p) for p in paths):
+            return paths
+
+def prepare_fashion_mnist(data_dir):
+    """Make the four files available under data_dir; return None, or what to do about it."""
+    if _find_files(data_dir):
+        return None
+    try:   # torchvision's download, quietly: its failure output is long and the fix is below
+        import torchvision
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            torchvision.datasets.FashionMNIST(data_dir, download=True)
+        return None
+    except Exception:
+        pass
+    try:   # Debian's copy: different gzip bytes from torchvision's md5 list, the same images
+        if all(os.path.isfile(os.path.join(DEBIAN_DIR, f)) for p in FILES.values() for f in p):
+            os.makedirs(data_dir, exist_ok=True)
+            for f in (f for pair in FILES.values() for f in pair):
+                shutil.copyfile(os.path.join(DEBIAN_DIR, f), os.path.join(data_dir, f + ".tmp"))
+                os.replace(os.path.join(data_dir, f + ".tmp"), os.path.join(data_dir, f))
+            return None
+    except OSError as e:
+        return f"error: cannot copy Fashion-MNIST into {data_dir}: {e}"
+    names = "\n  ".join(f for pair in FILES.values() for f in pair)
+    return (f"error: Fashion-MNIST is not in {os.path.abspath(data_dir)} and could not be "
+            f"downloaded. Do one of:\n- put these four files there (from "
+            f"https://github.com/zalandoresearch/fashion-mnist):\n  {names}\n"
+            f"- on Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist "
+            f"(files land in {DEBIAN_DIR}, found automatically)\n"
+            f"- on a machine with internet: python -c \"import torchvision; "
+            f"torchvision.datasets.FashionMNIST('{data_dir}', download=True)\", then copy the folder")
+
+def _read_idx(path, shape):
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            raw = f.read()
+        ndim = raw[3]
+        dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
+        if raw[:3] != b"\0\0\x08" or dims[1:] != shape or len(raw) != 4 + 4 * ndim + math.prod(dims):
+            raise ValueError("not an IDX file of the expected shape")
+    except (OSError, EOFError, ValueError, IndexError, struct.error) as e:
+        sys.exit(f"error: {path} is truncated or corrupt ({e}); delete it and run again")
+    return torch.frombuffer(bytearray(raw[4 + 4 * ndim:]), dtype=torch.uint8).view(dims)
+
+def load_fashion_mnist(data_dir, train_samples=None, test_samples=None, rank=0, world_size=1):
+    """Both splits as tensors: images float (N, 1, 28, 28) normalised, labels int64. In a
+    distributed run rank 0 alone prepares the files, and every rank hears how that went."""
+    problem = [prepare_fashion_mnist(data_dir) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        sys.exit(problem[0] if rank == 0 else 1)
+    paths, out = _find_files(data_dir), {}
+    for i, (split, n) in enumerate((("train", train_samples), ("test", test_samples))):
+        images = _read_idx(paths[2 * i], (28, 28))[:n]
+        labels = _read_idx(paths[2 * i + 1], ())[:n].long()
+        out[split] = (((images.float() / 255) - MEAN) / STD).unsqueeze(1), labels
+    return out
+
+def epoch_batches(num_samples, batch_size, seed, epoch):
+    """The epoch's global batches as rows of sample indices, drawn from (seed, epoch) alone, so
+    every rank and every world size sees the same sequence. The partial last batch is dropped."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[: num_samples // batch_size * batch_size].view(-1, batch_size)
+
+# ---------------------------------------------------------------- the ResNet-18 of dp_resnet and ddp_resnet
+def fashion_resnet18(seed):
+    """torchvision's ResNet-18 for 1x28x28 images: a 3x3 stride-1 stem and no max-pool, so the
+    small images are not shrunk 4x before the first block. The seed fixes the initial weights."""
+    import torchvision
+    torch.manual_seed(seed)
+    net = torchvision.models.resnet18(num_classes=10)
+    net.conv1 = torch.nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    torch.nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")   # as torchvision does
+    net.maxpool = torch.nn.Identity()
+    return net
+
+# ---------------------------------------------------------------- evaluation and timing
+@torch.no_grad()
+def evaluate(predict, images, labels, device, rank=0, world_size=1, batch_size=1000):
+    """Accuracy on the whole split: each rank scores its own slice (no padding, so nothing is
+    counted twice), then [correct, count] is summed over ranks before dividing."""
+    mine = torch.arange(len(labels)).tensor_split(world_size)[rank]
+    correct = torch.zeros((), device=device)
+    for idx in mine.split(batch_size):
+        correct += (predict(images[idx].to(device)).argmax(1) == labels[idx].to(device)).sum()
+    totals = torch.stack([correct, torch.tensor(float(len(mine)), device=device)]).double()
+    if world_size > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+class Timer:
+    """Seconds of wall-clock time, waiting for queued GPU work first (CUDA runs asynchronously)."""
+    def __init__(self, device):
+        self.device, self.start = device, time.perf_counter()
+    def __call__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.start
+
+class Progress:
+    """A line at most every `every` seconds inside a long epoch, with the time left."""
+    def __init__(self, epoch, steps, enabled, every=10.0):
+        self.epoch, self.steps, self.enabled, self.every = epoch, steps, enabled, every
+        self.start = self.last = time.perf_counter()
+    def __call__(self, step):
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.every and step < self.steps:
+            self.last, eta = now, (now - self.start) / step * (self.steps - step)
+            print(f"  epoch {self.epoch} step {step}/{self.steps}  ETA {eta:.0f} s", flush=True)
+
+# ---------------------------------------------------------------- command line and outputs
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+positive_int, positive_float = _positive(int), _positive(float)
+
+def base_parser(script, description, epochs, batch_size, lr, data=True):
+    """The flags every training script shares; each script adds its own."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size,
+                   help="global batch: summed over all replicas or ranks")
+    p.add_argument("--lr", type=positive_float, default=lr, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
+    if data:
+        p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--out", default=os.path.join("runs", os.path.splitext(os.path.basename(script))[0]),
+                   help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--train-samples", type=positive_int, help="use only the first N training images")
+    p.add_argument("--test-samples", type=positive_int, help="use only the first N test images")
+    return p
+
+def rank_batch_size(batch_size, world_size, train_samples, master):
+    """Each rank's batch: the global batch divided by the world size, so one command line is
+    the same training at any world size (the learning rate is never rescaled behind your back)."""
+    rank_batch = batch_size // world_size
+    if rank_batch == 0:
+        sys.exit(f"error: --batch-size {batch_size} is smaller than the world size {world_size}" if master else 1)
+    if rank_batch * world_size != batch_size and master:
+        print(f"note: --batch-size {batch_size} does not divide by {world_size} ranks: each takes "
+              f"{rank_batch}, a global batch of {rank_batch * world_size}", flush=True)
+    if train_samples < rank_batch * world_size:
+        sys.exit(f"error: {train_samples} training samples are fewer than one global batch of "
+                 f"{rank_batch * world_size}; use more samples, a smaller batch or fewer ranks" if master else 1)
+    return rank_batch
+
+def check_out_dir(out):
+    """Fail before training, not after it, when the outputs cannot be written."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, ".write-test"), "w"):
+            pass
+        os.remove(os.path.join(out, ".write-test"))
+    except OSError as e:
+        sys.exit(f"error: cannot write to --out {out}: {e.strerror}")
+
+def save_atomically(write, path):
+    """write(tmp_path), then rename: a crash mid-write leaves the previous file intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+def write_outputs(out, metrics, state_dict):
+    """metrics.json, curves.png (loss and accuracy per epoch) and model.pt (CPU tensors)."""
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(metrics, f, indent=1)
+    save_atomically(write_json, os.path.join(out, "metrics.json"))
+    save_atomically(lambda tmp: torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, tmp),
+                    os.path.join(out, "model.pt"))
+    import matplotlib
+    matplotlib.use("Agg")   # no display needed
+    import matplotlib.pyplot as plt
+    epochs = [e["epoch"] for e in metrics["epochs"]]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax_loss.plot(epochs, [e["train_loss"] for e in metrics["epochs"]], "o-", label="train loss")
+    ax_acc.plot(epochs, [e["train_acc"] for e in metrics["epochs"]], "o-", label="train acc")
+    ax_acc.plot(epochs, [e["test_acc"] for e in metrics["epochs"]], "s-", label="test acc")
+    for ax in (ax_loss, ax_acc):
+        ax.set_xlabel("epoch"), ax.grid(alpha=0.3), ax.legend()
+    fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} ({metrics['backend']})")
+    fig.tight_layout()
+    save_atomically(lambda tmp: fig.savefig(tmp, format="png", dpi=100), os.path.join(out, "curves.png"))
+    plt.close(fig)
+
+def new_metrics(script, args, devices, backend, world_size, test_samples):
+    """The record a run writes to metrics.json; `devices` names one device per replica."""
+    return {"script": os.path.basename(script), "config": vars(args), "devices": [str(d) for d in devices],
+            "backend": backend, "world_size": world_size, "test_samples": test_samples, "epochs": []}
+
+def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):
+    """totals: [summed loss, correct, samples], already summed over all replicas."""
+    loss_sum, hits, samples = totals.tolist()
+    e = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": hits / samples,
+         "test_acc": test_acc, "samples": samples, "samples_per_s": samples / seconds, "seconds": seconds}
+    metrics["epochs"].append(e)
+    if verbose:
+        print(f"epoch {epoch:3d}  loss {e['train_loss']:.4f}  train acc {e['train_acc']:.4f}  "
+              f"test acc {test_acc:.4f}  {e['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+
+def finish(metrics, steps, seconds, state_dict):
+    """Summary, outputs and the closing line; rank 0 alone calls it."""
+    samples = sum(e["samples"] for e in metrics["epochs"])
+    metrics.update(steps=steps, seconds=seconds, test_acc=metrics["epochs"][-1]["test_acc"],
+                   samples_per_s=samples / sum(e["seconds"] for e in metrics["epochs"]))
+    write_outputs(metrics["config"]["out"], metrics, state_dict)
+    devices = sorted(set(metrics["devices"]))
+    processes = f"{metrics['world_size']} process{'es' if metrics['world_size'] > 1 else ''}"
+    print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(devices)} "
+          f"({metrics['backend']}, {processes}): test acc "
+          f"{metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
+          f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s; "
+          f"wrote {metrics['config']['out']}/{{metrics.json,curves.png,model.pt}}", flush=True)
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Prepare Fashion-MNIST in --data-dir.")
+    parser.add_argument("--data-dir", default="data")
+    problem = prepare_fashion_mnist(parser.parse_args().data_dir)
+    sys.exit(problem)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# bash run_all.sh         set up what is missing, then a short run of every script and a table
+# bash run_all.sh test    set up what is missing, then the test suite
+# bash run_all.sh bench   set up what is missing, then the side-by-side benchmark (a few minutes)
+set -euo pipefail
+cd "$(dirname "$0")"
+mode=${1:-smoke}
+case "$mode" in smoke|test|bench) ;; *) echo "usage: bash run_all.sh [test|bench]" >&2; exit 2;; esac
+
+# --- Python: this one if it has what we need, else .venv from requirements.txt
+modules="torch, torchvision, matplotlib"
+[ "$mode" = test ] && modules="$modules, pytest"
+PY=${PYTHON:-python3}
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import $modules" 2>/dev/null; then
+  PY=.venv/bin/python
+elif ! "$PY" -c "import $modules" 2>/dev/null; then
+  echo "== creating .venv from requirements.txt (torch is a large download)"
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.txt
+  PY=.venv/bin/python
+fi
+echo "== python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
+
+# --- Fashion-MNIST in ./data: the folder, torchvision's download, or Debian's package
+if ! "$PY" common.py --data-dir data 2>/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing Debian's dataset-fashion-mnist"
+    apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; }
+  fi
+  "$PY" common.py --data-dir data   # prints what to do if there is still no data
+fi
+
+export PYTHONUNBUFFERED=1
+if [ "$mode" = test ]; then
+  exec "$PY" -m pytest -q test_scripts.py
+elif [ "$mode" = bench ]; then
+  exec "$PY" benchmarks/bench.py
+fi
+
+# --- smoke run: every script briefly, then one table
+small="--epochs 1 --max-steps 20 --train-samples 2560 --test-samples 1000"
+runs=()
+smoke() {   # name, then the command
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" $small --out "runs/smoke/$name" | tail -n 1
+  runs+=("runs/smoke/$name")
+}
+smoke scratch_lenet "$PY" scratch_lenet.py
+smoke scratch_lenet_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py
+"$PY" - "${runs[@]}" <<'PYTHON'
+import json, sys
+rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]
+print(f"\n{'approach':26} {'devices':12} {'backend':18} {'samples/s':>10} {'test acc':>9} {'seconds':>8}")
+for run, m in zip(sys.argv[1:], rows):
+    devices = f"{len(m['devices'])} x {m['devices'][0]}"
+    print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:18} {m['samples_per_s']:10,.0f} "
+          f"{m['test_acc']:9.4f} {m['seconds']:8.1f}")
+PYTHON

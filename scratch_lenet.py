@@ -1,0 +1,194 @@
+"""Data parallelism from scratch: LeNet on Fashion-MNIST, nothing but tensors.
+
+Each replica holds its own copy of the parameters. A step splits the global batch across the
+replicas, each computes the gradient of its share, a hand-written allreduce sums the gradients so
+every replica holds the total, and every replica takes the same SGD step: the replicas stay equal,
+and the step equals the one a single device takes on the whole batch.
+
+    python scratch_lenet.py                       # N replicas in one process: every GPU, else 2 on CPU
+    torchrun --nproc_per_node=2 scratch_lenet.py  # one replica per process; a ring allreduce over
+                                                  # point-to-point send/recv, still by hand
+"""
+import math, os, sys, time
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import common
+
+# ---------------------------------------------------------------- LeNet from raw tensors
+PARAM_NAMES = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
+               "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+def init_params(seed):
+    # He initialisation keeps the activations' scale through the ReLUs; the d2l original's
+    # N(0, 0.01) starts so small that the first epoch ends at 10% accuracy.
+    g = torch.Generator().manual_seed(seed)
+    # The output layer gets gain 1 (no ReLU follows it), which keeps the first losses near log(10).
+    def he(*shape, gain=2.0):
+        return torch.randn(shape, generator=g) * math.sqrt(gain / math.prod(shape[1:]))
+    return [he(20, 1, 3, 3), torch.zeros(20), he(50, 20, 5, 5), torch.zeros(50),
+            he(128, 800), torch.zeros(128), he(10, 128, gain=1.0), torch.zeros(10)]
+
+def lenet(X, params):
+    h = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), 2)   # 1x28x28 -> 20x13x13
+    h = F.avg_pool2d(F.relu(F.conv2d(h, params[2], params[3])), 2)   # -> 50x4x4
+    h = F.relu(F.linear(h.flatten(1), params[4], params[5]))          # 800 -> 128
+    return F.linear(h, params[6], params[7])                          # -> 10
+
+# ---------------------------------------------------------------- the data-parallel pieces
+def get_params(params, device):
+    """A replica: the parameters copied to `device`, with their own gradients."""
+    return [p.detach().to(device).clone().requires_grad_() for p in params]
+
+def split_batch(X, y, devices):
+    """Cut the batch into one share per device (sizes differ by at most one)."""
+    assert len(X) >= len(devices), "a batch needs at least one sample per replica"
+    return ([x.to(d) for x, d in zip(X.tensor_split(len(devices)), devices)],
+            [t.to(d) for t, d in zip(y.tensor_split(len(devices)), devices)])
+
+def allreduce(data):
+    """Sum the tensors in `data` (one per device) and leave the sum in every one of them."""
+    for i in range(1, len(data)):
+        data[0] += data[i].to(data[0].device)
+    for i in range(1, len(data)):
+        data[i][:] = data[0].to(data[i].device)   # [:] writes into the replica's tensor; a plain
+                                                  # `data[i] = ...` would only rebind the list slot
+
+def ring_allreduce(tensors, rank, world_size):
+    """Sum `tensors` over all processes, in place, by point-to-point messages around a ring.
+    The flat data is cut into world_size chunks. Reduce-scatter: in W-1 steps each process passes
+    one chunk to its right neighbour and adds the one from its left, after which process r holds
+    the full sum of chunk r+1. All-gather: W-1 more steps pass the finished chunks around. Each
+    process sends 2(W-1)/W of the data, however many processes there are."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    chunks = list(flat.tensor_split(world_size))   # works when the length doesn't divide
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+
+    def exchange(send_chunk, recv_buffer):   # both directions at once, so no process waits on another
+        ops = [dist.P2POp(dist.isend, send_chunk, right), dist.P2POp(dist.irecv, recv_buffer, left)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+    for step in range(world_size - 1):   # reduce-scatter
+        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size
+        incoming = torch.empty_like(chunks[recv])
+        exchange(chunks[send], incoming)
+        chunks[recv] += incoming
+    for step in range(world_size - 1):   # all-gather
+        send, recv = (rank - step + 1) % world_size, (rank - step) % world_size
+        exchange(chunks[send], chunks[recv])
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+def sgd(params, velocities, lr, batch_size, momentum=0.9):
+    """SGD with momentum; every replica keeps its own velocities, equal since the gradients are."""
+    with torch.no_grad():
+        for p, v in zip(params, velocities):
+            v.mul_(momentum).add_(p.grad, alpha=1 / batch_size)   # the losses are sums: divide by the global batch
+            p -= lr * v
+            p.grad.zero_()
+
+def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, world_size=1):
+    """One step on this process's share of the global batch; returns summed loss and hits."""
+    X_shards, y_shards = split_batch(X, y, devices)
+    outputs = [lenet(X_s, W) for X_s, W in zip(X_shards, replicas)]
+    losses = [F.cross_entropy(out, y_s, reduction="sum") for out, y_s in zip(outputs, y_shards)]
+    for loss in losses:   # each replica's backward fills its own .grad
+        loss.backward()
+    with torch.no_grad():
+        for i in range(len(replicas[0])):
+            allreduce([W[i].grad for W in replicas])
+        if world_size > 1:   # NEW with torchrun: sum across processes too, still by hand
+            ring_allreduce([p.grad for p in replicas[0]], rank, world_size)
+            for W in replicas[1:]:
+                for p, p0 in zip(W, replicas[0]):
+                    p.grad[:] = p0.grad.to(p.device)
+    for W, V in zip(replicas, velocities):
+        sgd(W, V, lr, global_batch)
+    device0 = devices[0]
+    return (sum(l.detach().to(device0) for l in losses),
+            sum((o.argmax(1) == y_s).sum().to(device0) for o, y_s in zip(outputs, y_shards)))
+
+# ---------------------------------------------------------------- training
+def train(args, devices, rank=0, world_size=1):
+    master = rank == 0
+    if master:
+        common.check_out_dir(args.out)
+    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    if len(y_train) < args.batch_size:
+        sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
+    # Every process starts from the same seed, so all replicas start equal.
+    replicas = [get_params(init_params(args.seed), d) for d in devices]
+    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
+    backend = f"{dist.get_backend()} send/recv" if world_size > 1 else "one process"
+    metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(y_test))
+    if master:
+        print(f"scratch_lenet: {len(devices) * world_size} replicas on {devices[0]} ({backend}), "
+              f"global batch {args.batch_size}", flush=True)
+    total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
+    step, start = 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        timer = common.Timer(devices[0])
+        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch)
+        progress = common.Progress(epoch, len(batches), master)
+        totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
+        for batch_in_epoch, idx in enumerate(batches, 1):
+            idx = idx.tensor_split(world_size)[rank]   # this process's share of the global batch
+            lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
+            loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
+                                     args.batch_size, rank, world_size)
+            totals += torch.stack([loss, hits.float(), torch.tensor(float(len(idx)))])
+            step += 1
+            progress(batch_in_epoch)
+            if step == args.max_steps:
+                break
+        seconds = timer()
+        if world_size > 1:
+            ring_allreduce([totals], rank, world_size)
+        test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0],
+                                   rank, world_size)
+        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        if step == args.max_steps:
+            break
+    if master:
+        common.finish(metrics, step, time.perf_counter() - start,
+                      dict(zip(PARAM_NAMES, replicas[0])))
+    return replicas
+
+# ---------------------------------------------------------------- command line
+def parse_args(argv=None):
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=10, batch_size=256, lr=0.05)
+    p.add_argument("--devices", type=common.positive_int,
+                   help="replicas in this process (default: every GPU, else 2 on the CPU); "
+                        "under torchrun each process is one replica")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300,
+                   help="seconds to wait for the other processes under torchrun")
+    args = p.parse_args(argv)
+    if args.devices and torch.cuda.is_available() and args.devices > torch.cuda.device_count():
+        p.error(f"--devices {args.devices}: only {torch.cuda.device_count()} GPUs here")
+    args.devices = args.devices or torch.cuda.device_count() or 2
+    replicas = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.devices
+    if args.batch_size < replicas:
+        p.error(f"--batch-size {args.batch_size} is smaller than the {replicas} replicas: each needs a sample")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ:   # NEW with torchrun: one replica per process
+        rank, world_size, device = common.init_distributed(args.init_timeout)
+        try:
+            return train(args, [device], rank, world_size)
+        finally:
+            dist.destroy_process_group()
+    gpus = common.try_all_gpus()
+    if gpus[0].type == "cuda":
+        devices = gpus[: args.devices]
+    else:   # no GPU: the replicas are CPU copies; the lesson is the same
+        devices = [torch.device("cpu")] * args.devices
+    return train(args, devices)
+
+if __name__ == "__main__":
+    main()
