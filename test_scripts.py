@@ -113,7 +113,8 @@ def test_step_equals_single_device_gradient_step():
     reference = [p.clone().requires_grad_() for p in start]
     torch.nn.functional.cross_entropy(scratch_lenet.lenet(X, reference), y).backward()
     replicas = [scratch_lenet.get_params(start, "cpu") for _ in range(3)]
-    scratch_lenet.train_batch(X, y, replicas, ["cpu"] * 3, lr=0.5, global_batch=10)
+    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
+    scratch_lenet.train_batch(X, y, replicas, velocities, ["cpu"] * 3, lr=0.5, global_batch=10)
     for i, p in enumerate(reference):
         for W in replicas:
             assert torch.allclose(W[i], p - 0.5 * p.grad, atol=1e-6)
@@ -164,16 +165,199 @@ def test_scratch_readme_command_learns(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--devices", "0"], "--devices: invalid positive_int value: '0'"),
-    (["--batch-size", "0"], "--batch-size: invalid positive_int value: '0'"),
-    (["--devices", "3", "--batch-size", "2"], "--batch-size 2 is smaller than the 3 replicas"),
-    (["--lr", "-1"], "--lr: invalid positive_float value: '-1'"),
+    (["--devices", "0"], "error: argument --devices: must be positive, got 0"),
+    (["--batch-size", "0"], "error: argument --batch-size: must be positive, got 0"),
+    (["--devices", "3", "--batch-size", "2"], "error: --batch-size 2 is smaller than the 3 replicas"),
+    (["--lr", "-1"], "error: argument --lr: must be positive, got -1"),
+    (["--epochs", "0"], "error: argument --epochs: must be positive, got 0"),
+    (["--max-steps", "-3"], "error: argument --max-steps: must be positive, got -3"),
 ])
 def test_bad_flags_give_argparse_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         scratch_lenet.parse_args(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- ddp_toy.py
+import copy
+import ddp_toy
+import ddp_resnet
+import dp_resnet
+import torch.nn.functional as F
+
+TOY = ["--epochs", "3", "--train-samples", "600", "--test-samples", "301", "--batch-size", "48"]
+
+
+@pytest.fixture(scope="module")
+def toy_one_rank(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy1")
+    result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_model(out)
+
+
+@pytest.mark.parametrize("launch", [["python", "ddp_toy.py", "--world-size", "2"],
+                                    ["python", "ddp_toy.py", "--world-size", "3"],
+                                    ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_toy.py"]])
+def test_ddp_toy_any_world_size_trains_like_one_rank(launch, toy_one_rank, tmp_path):
+    result = run(launch + ["--out", str(tmp_path)] + TOY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(load_model(tmp_path), toy_one_rank)
+    assert result.stdout.count("epoch ") == 3   # rank 0 alone prints
+
+
+def test_ddp_toy_accuracy_is_over_the_whole_test_set(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "3", "--out", str(tmp_path)] + TOY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    net = ddp_toy.ToyMLP()
+    net.load_state_dict(load_model(tmp_path))
+    X, y = ddp_toy.toy_data(301, seed=2)   # 301 does not divide by 3
+    single = common.evaluate(net, X, y, torch.device("cpu"))
+    reported = json.load(open(tmp_path / "metrics.json"))
+    assert reported["test_acc"] == single and reported["test_samples"] == 301
+
+
+def test_ddp_toy_runs_on_eight_ranks(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "8", "--epochs", "1", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.load(open(tmp_path / "metrics.json"))["world_size"] == 8
+
+
+def test_sampler_order_changes_each_epoch_and_shards_partition_the_data():
+    X, y = ddp_toy.toy_data(600, seed=1)
+    loaders = [ddp_toy.train_loader(X, y, 25, rank, 3, seed=0) for rank in range(3)]
+    orders = {}
+    for epoch in (1, 2):
+        for rank, loader in enumerate(loaders):
+            loader.sampler.set_epoch(epoch)
+            orders[epoch, rank] = list(loader.sampler)
+        everything = sum((orders[epoch, r] for r in range(3)), [])
+        assert sorted(everything) == list(range(600))   # disjoint, and together the whole set
+    for rank in range(3):
+        assert orders[1, rank] != orders[2, rank]
+
+
+def test_ddp_toy_calls_set_epoch_every_epoch(monkeypatch, tmp_path):
+    seen = []
+    original = torch.utils.data.DistributedSampler.set_epoch
+    monkeypatch.setattr(torch.utils.data.DistributedSampler, "set_epoch",
+                        lambda self, epoch: (seen.append(epoch), original(self, epoch)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(common.free_port()))
+    ddp_toy.main(TOY + ["--out", str(tmp_path)])
+    assert seen == [1, 2, 3]
+
+
+def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        common.init_distributed(5)
+    assert "2 processes on this node but 1 GPUs" in str(exit_info.value.code)
+
+# ---------------------------------------------------------------- ddp_resnet.py and dp_resnet.py
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # torchrun's setting with 2+ workers; see resnet_reference
+RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16", "--max-steps", "2",
+          "--data-dir", DATA]
+
+
+def resnet_reference(shards, steps=2, lr=0.05):
+    """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
+    buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
+    as each torchrun worker has: early ResNet steps amplify the rounding of other summation
+    orders from 1e-7 to 1e-4 within two steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _resnet_reference(shards, steps, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _resnet_reference(shards, steps, lr):
+    X_train, y_train = common.load_fashion_mnist(DATA, 64, 1)["train"]
+    net = common.fashion_resnet18(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    for idx in common.epoch_batches(64, 16, seed=0, epoch=1)[:steps]:
+        net.zero_grad(set_to_none=True)
+        replicas = [copy.deepcopy(net) for _ in range(shards)]
+        for replica, part in zip(replicas, idx.view(shards, -1)):
+            F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
+        for name, p in net.named_parameters():
+            p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
+        for name, b in net.named_buffers():
+            b.copy_(dict(replicas[0].named_buffers())[name])
+        optimizer.step()
+    return net.state_dict()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, tmp_path):
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
+                 ["--out", str(tmp_path)], env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(load_model(tmp_path), resnet_reference(nproc))
+
+
+def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):
+    results = [run(["python", script] + RESNET + ["--max-steps", "1", "--out", str(tmp_path / script)])
+               for script in ("dp_resnet.py", "ddp_resnet.py")]
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "DataParallel runs the model on the CPU" in results[0].stdout
+    assert_same_weights(load_model(tmp_path / "dp_resnet.py"), load_model(tmp_path / "ddp_resnet.py"), tol=1e-6)
+
+
+def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
+    result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py"] + RESNET +
+                 ["--batch-size", "15", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    net = common.fashion_resnet18(0)
+    net.load_state_dict(load_model(tmp_path))
+    X_test, y_test = common.load_fashion_mnist(DATA, 1, 101)["test"]
+    single = common.evaluate(net.eval(), X_test, y_test, torch.device("cpu"))
+    assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == single
+
+
+def test_gradient_accumulation_equals_ranks(tmp_path):
+    """--accum-steps 2 in one process computes BatchNorm over the same half-batches as 2 ranks,
+    so the two must give the same weights (buffers: rank 0's vs both micro-batches', not compared)."""
+    accum = run(["python", "ddp_resnet.py"] + RESNET + ["--accum-steps", "2", "--out", str(tmp_path / "a")],
+                env=ONE_THREAD)
+    ranks = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"] + RESNET +
+                ["--out", str(tmp_path / "r")], env=ONE_THREAD)
+    assert accum.returncode == 0 and ranks.returncode == 0, accum.stderr[-2000:] + ranks.stderr[-2000:]
+    a, r = load_model(tmp_path / "a"), load_model(tmp_path / "r")
+    params = dict(common.fashion_resnet18(0).named_parameters())
+    assert_same_weights({k: a[k] for k in params}, {k: r[k] for k in params})
+
+
+def test_two_nodes_train_like_one_process(tmp_path):
+    endpoint = f"127.0.0.1:{common.free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                               "--rdzv-id=test", "ddp_resnet.py"] + RESNET + ["--out", str(tmp_path / f"n{i}")],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **ONE_THREAD})
+             for i in range(2)]
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    outs = [p for p in (tmp_path / "n0", tmp_path / "n1") if (p / "model.pt").exists()]
+    assert len(outs) == 1   # rank 0 alone writes
+    assert_same_weights(load_model(outs[0]), resnet_reference(2))
+
+
+def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
+    result = run(["python", "ddp_resnet.py"] + RESNET + ["--max-steps", "1", "--sync-bn", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sync-bn needs CUDA" in result.stdout
 
 
 def ring_check():

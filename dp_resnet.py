@@ -1,0 +1,84 @@
+"""ResNet-18 on Fashion-MNIST with nn.DataParallel: one process drives every GPU.
+
+    python dp_resnet.py              # all GPUs; on a machine without one, the CPU as one device
+    python dp_resnet.py --gpus 2
+
+Each step DataParallel copies the model from the first GPU to the others, cuts the batch into one
+piece per GPU, runs the pieces in threads of this one process, gathers the outputs on the first
+GPU, and sums the gradients back there. Simple to use; see the README for what it costs.
+Lines that exist only because of DataParallel are tagged `# DP:`.
+"""
+import time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import common
+
+def train_step(model, optimizer, X, y, amp):
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
+        logits = model(X)   # DP: scatter X, replicate the model, run in parallel, gather logits
+        loss = F.cross_entropy(logits, y)
+    loss.backward()        # DP: each replica's gradients are summed into the original module
+    optimizer.step()
+    return loss.detach().float() * len(y), (logits.argmax(1) == y).sum()
+
+def train(args):
+    common.check_out_dir(args.out)
+    gpus = common.try_all_gpus()[: args.gpus] if torch.cuda.is_available() else []
+    device = gpus[0] if gpus else torch.device("cpu")
+    if not gpus:
+        print("note: no GPU here, so DataParallel runs the model on the CPU as a single device", flush=True)
+    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    if len(y_train) < args.batch_size:
+        raise SystemExit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    X_train, y_train, X_test, y_test = (t.to(device) for t in (X_train, y_train, X_test, y_test))
+
+    # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
+    net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
+    model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
+    print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}", flush=True)
+    step, start = 0, time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch)   # as ddp_resnet.py
+        progress = common.Progress(epoch, len(batches), True)
+        timer = common.Timer(device)
+        totals = torch.zeros(3, device=device)   # summed loss, hits, samples
+        net.train()
+        for batch_in_epoch, idx in enumerate(batches, 1):
+            idx = idx.to(device)
+            loss_sum, hits = train_step(model, optimizer, X_train[idx].contiguous(memory_format=memory_format),
+                                        y_train[idx], args.amp)
+            totals += torch.stack([loss_sum, hits.float(), torch.tensor(float(len(idx)), device=device)])
+            step += 1
+            progress(batch_in_epoch)
+            if step == args.max_steps:
+                break
+        seconds = timer()
+        net.eval()
+        test_acc = common.evaluate(model, X_test, y_test, device)   # DP: the test batches are split too
+        common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
+        if step == args.max_steps:
+            break
+    common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
+    return net
+
+def parse_args(argv=None):
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
+    p.add_argument("--gpus", type=common.positive_int, help="GPUs to use (default: all)")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    args = p.parse_args(argv)
+    if args.gpus and args.gpus > torch.cuda.device_count():
+        p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()}")
+    return args
+
+def main(argv=None):
+    return train(parse_args(argv))
+
+if __name__ == "__main__":
+    main()
