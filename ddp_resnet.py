@@ -17,10 +17,10 @@ import common
 ARCH = "fashion_resnet18"
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, net, optimizer, epoch, step):
+def save_checkpoint(path, net, optimizer, epoch, step, history):
     """Everything a restarted job needs to go on exactly where this one was. Temp file, then
     rename: a crash while writing leaves the previous checkpoint usable."""
-    state = {"arch": ARCH, "epoch": epoch, "step": step, "model": net.state_dict(),
+    state = {"arch": ARCH, "epoch": epoch, "step": step, "history": history, "model": net.state_dict(),
              "optimizer": optimizer.state_dict(), "cpu_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
@@ -35,11 +35,12 @@ def load_checkpoint(path, net, optimizer, device):
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except Exception as e:   # a foreign pickle can raise anything; say which file and why
-        raise SystemExit(f"error: cannot resume from {path}: {str(e).strip().splitlines()[0][:300]}")
+        reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
+        raise SystemExit(f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}")
     torch.set_rng_state(state["cpu_rng"].cpu())
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-    return state["epoch"], state["step"]
+    return state["epoch"], state["step"], state["history"]
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
@@ -84,9 +85,11 @@ def train(args):
               "going on with per-rank BatchNorm", flush=True)
     net = net.to(device, memory_format=memory_format)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
+                                 world_size, len(y_test))
     first_epoch, step = 1, 0
     if args.resume and os.path.exists(args.checkpoint):
-        done_epoch, step = load_checkpoint(args.checkpoint, net, optimizer, device)
+        done_epoch, step, metrics["epochs"] = load_checkpoint(args.checkpoint, net, optimizer, device)
         first_epoch = done_epoch + 1
         if master:
             print(f"resumed from {args.checkpoint}: epoch {done_epoch} done, step {step}", flush=True)
@@ -94,8 +97,6 @@ def train(args):
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
-    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
-                                 world_size, len(y_test))
     if master:
         print(f"ddp_resnet: {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
               f"{rank_batch * world_size} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s)",
@@ -126,7 +127,7 @@ def train(args):
         test_acc = common.evaluate(net, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if master and step != args.max_steps:
-            save_checkpoint(args.checkpoint, net, optimizer, epoch, step)
+            save_checkpoint(args.checkpoint, net, optimizer, epoch, step, metrics["epochs"])
     if master and metrics["epochs"]:
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly

@@ -45,11 +45,16 @@ runs=()
 smoke() {   # name, then the command
   local name=$1; shift
   echo "== $name: $*"
-  "$@" $small --out "runs/smoke/$name" | tail -n 1
+  "$@" --out "runs/smoke/$name" | tail -n 1
   runs+=("runs/smoke/$name")
 }
-smoke scratch_lenet "$PY" scratch_lenet.py
-smoke scratch_lenet_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py
+resnet="--batch-size 32 --max-steps 4 --train-samples 256 --test-samples 500"
+smoke scratch_lenet "$PY" scratch_lenet.py $small
+smoke scratch_lenet_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py $small
+smoke ddp_toy "$PY" ddp_toy.py $small
+smoke ddp_toy_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_toy.py $small
+smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet
+smoke dp_resnet "$PY" dp_resnet.py $small $resnet
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys
 rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]

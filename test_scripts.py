@@ -360,6 +360,139 @@ def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
     assert "--sync-bn needs CUDA" in result.stdout
 
 
+# ---------------------------------------------------------------- faults and bad input
+import signal, time
+
+
+def children_of(pid):
+    """Pids whose parent is `pid`, read from /proc: how the tests find a worker, never by name."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_killed_worker_restarts_and_ends_with_uninterrupted_weights(tmp_path):
+    flags = ["ddp_resnet.py", "--epochs", "3", "--train-samples", "96", "--batch-size", "16",
+             "--test-samples", "50", "--data-dir", DATA, "--resume"]
+    clean = run(["torchrun", "--standalone", "--nproc_per_node=2"] + flags + ["--out", str(tmp_path / "clean")])
+    assert clean.returncode == 0, clean.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--max-restarts=1"] + flags + ["--out", str(out)], cwd=HERE, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in job.stdout:   # epoch 1 ends and its checkpoint is written; kill during epoch 2
+        lines.append(line)
+        if line.startswith("epoch   1"):
+            break
+    deadline = time.time() + 60
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    workers = children_of(job.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    lines += job.stdout.readlines()
+    assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    log = "".join(lines)
+    assert "resumed from" in log and "epoch 1 done" in log, log[-3000:]
+    assert not any(line.startswith("epoch   3") for line in lines[:lines.index(next(l for l in lines if "resumed" in l))])
+    assert_same_weights(load_model(out), load_model(tmp_path / "clean"), tol=1e-6)
+    assert [e["epoch"] for e in json.load(open(out / "metrics.json"))["epochs"]] == [1, 2, 3]
+
+
+def test_partner_that_never_comes_gives_an_error_not_a_hang():
+    port = common.free_port()
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    started = time.time()
+    result = run(["python", "ddp_toy.py", "--init-timeout", "3"], env=env, timeout=60)
+    took = time.time() - started
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert took < 3 + 15   # the timeout, plus starting Python and importing torch
+
+
+def test_two_jobs_side_by_side_both_finish(tmp_path):
+    commands = [[sys.executable, "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"]]
+    jobs = [subprocess.Popen(c + ["--out", str(tmp_path / str(i))], cwd=HERE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i, c in enumerate(commands)]
+    for job in jobs:
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-3000:]
+
+
+def test_data_is_prepared_once_by_rank_zero(tmp_path):
+    fresh = tmp_path / "fresh"
+    result = run(["torchrun", "--standalone", "--nproc_per_node=3", "scratch_lenet.py", "--data-dir", str(fresh),
+                  "--max-steps", "1", "--train-samples", "300", "--test-samples", "30", "--out", str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = sorted(p.name for p in fresh.rglob("*") if p.is_file())
+    assert not any(".tmp" in f for f in files), files
+    assert len(common.load_fashion_mnist(str(fresh))["train"][1]) == 60000
+
+
+@pytest.mark.parametrize("case", ["data-dir-is-a-file", "out-not-writable"])
+def test_unusable_folders_are_named(case, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    flags = (["--data-dir", str(blocker)] if case == "data-dir-is-a-file" else
+             ["--data-dir", DATA, "--out", str(blocker / "out")])
+    result = run(["python", "ddp_resnet.py", "--max-steps", "1"] + flags, env=OFFLINE)
+    assert result.returncode != 0
+    assert str(blocker) in result.stderr and "error:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_batch_not_dividing_by_world_size_is_stated(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "3", "--batch-size", "50", "--epochs", "1",
+                  "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "does not divide by 3 ranks: each takes 16, a global batch of 48" in result.stdout
+
+
+def test_world_size_larger_than_the_data_is_refused(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "8", "--train-samples", "5", "--batch-size", "8",
+                  "--out", str(tmp_path)])
+    assert result.returncode != 0
+    assert "5 training samples are fewer than one global batch of 8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("bad", ["not-a-checkpoint", "another-model"])
+def test_resume_from_a_wrong_file_says_what_is_wrong(bad, tmp_path):
+    checkpoint = tmp_path / "checkpoint.pt"
+    if bad == "not-a-checkpoint":
+        checkpoint.write_bytes(b"these bytes are no checkpoint")
+        expected = f"cannot resume from {checkpoint}"
+    else:
+        torch.save({"arch": "fashion_resnet18", "model": ddp_toy.ToyMLP().state_dict()}, checkpoint)
+        expected = "Missing key(s) in state_dict"
+    result = run(["python", "ddp_resnet.py", "--resume", "--checkpoint", str(checkpoint), "--out", str(tmp_path)] + RESNET)
+    assert result.returncode != 0
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", [ddp_toy, ddp_resnet, dp_resnet])
+@pytest.mark.parametrize("flag", ["--epochs", "--max-steps", "--batch-size", "--lr"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_zero_or_negative_numbers_are_refused(script, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args([flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be positive, got {value}" in capsys.readouterr().err
+
+
 def ring_check():
     """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
     import torch.distributed as dist
