@@ -6,6 +6,7 @@ import argparse, contextlib, datetime, gzip, io, json, math, os, shutil, socket,
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.rendezvous import rendezvous
 
 # ---------------------------------------------------------------- devices, backend, processes
 def try_gpu(i=0):
@@ -24,10 +25,13 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
 def share_cores(processes_on_this_machine):
     # torchrun exports OMP_NUM_THREADS=1; when we start the processes ourselves, split the cores.
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes_on_this_machine))
+        torch.set_num_threads(max(1, cpu_cores() // processes_on_this_machine))
 
 def spawn_ranks(worker, world_size, args):
     """Start `world_size` processes here with the variables torchrun would set, on a free port."""
@@ -48,6 +52,8 @@ def init_distributed(timeout_s):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = pick_backend()
+    if sys.platform == "win32":
+        os.environ.setdefault("USE_LIBUV", "0")   # some Windows builds of torch lack libuv
     if backend == "nccl":
         if local_world > torch.cuda.device_count():   # NCCL would say "Duplicate GPU detected"
             sys.exit(f"rank {rank}: error: {local_world} processes on this node but "
@@ -59,9 +65,13 @@ def init_distributed(timeout_s):
         device = torch.device("cpu")
         share_cores(local_world)
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    try:   # the timeout bounds the rendezvous and every later collective
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)   # bounds the rendezvous and every collective
+    try:
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        # After a torchrun restart the store still holds the dead workers' addresses; a key
+        # prefix per attempt keeps the new workers from dialling them.
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except (RuntimeError, ValueError) as e:
         sys.exit(f"rank {rank}: error: the process group at {where} (world size {world_size}) did "
                  f"not form within {timeout_s:g} s; were all ranks started? "

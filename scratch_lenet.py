@@ -90,10 +90,10 @@ def sgd(params, velocities, lr, batch_size, momentum=0.9):
             p -= lr * v
             p.grad.zero_()
 
-def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, world_size=1):
+def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, world_size=1, forward=lenet):
     """One step on this process's share of the global batch; returns summed loss and hits."""
     X_shards, y_shards = split_batch(X, y, devices)
-    outputs = [lenet(X_s, W) for X_s, W in zip(X_shards, replicas)]
+    outputs = [forward(X_s, W) for X_s, W in zip(X_shards, replicas)]
     losses = [F.cross_entropy(out, y_s, reduction="sum") for out, y_s in zip(outputs, y_shards)]
     for loss in losses:   # each replica's backward fills its own .grad
         loss.backward()
@@ -123,7 +123,8 @@ def train(args, devices, rank=0, world_size=1):
     # Every process starts from the same seed, so all replicas start equal.
     replicas = [get_params(init_params(args.seed), d) for d in devices]
     velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
-    backend = f"{dist.get_backend()} send/recv" if world_size > 1 else "one process"
+    forward = torch.compile(lenet) if args.compile else lenet
+    backend = f"{dist.get_backend()} send/recv" if world_size > 1 else "hand-written allreduce"
     metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(y_test))
     if master:
         print(f"scratch_lenet: {len(devices) * world_size} replicas on {devices[0]} ({backend}), "
@@ -139,7 +140,7 @@ def train(args, devices, rank=0, world_size=1):
             idx = idx.tensor_split(world_size)[rank]   # this process's share of the global batch
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
             loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
-                                     args.batch_size, rank, world_size)
+                                     args.batch_size, rank, world_size, forward)
             totals += torch.stack([loss, hits.float(), torch.tensor(float(len(idx)))])
             step += 1
             progress(batch_in_epoch)
@@ -164,6 +165,8 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=common.positive_int,
                    help="replicas in this process (default: every GPU, else 2 on the CPU); "
                         "under torchrun each process is one replica")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the forward pass (needs a C++ compiler on CPU; see the README)")
     p.add_argument("--init-timeout", type=common.positive_float, default=300,
                    help="seconds to wait for the other processes under torchrun")
     args = p.parse_args(argv)

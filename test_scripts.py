@@ -137,6 +137,12 @@ def test_scratch_replicas_end_with_one_device_weights(replicas, scratch_one_repl
         assert all(torch.equal(a, b) for a, b in zip(W, final[0]))
 
 
+def test_compiled_forward_trains_like_eager(scratch_one_replica, tmp_path):
+    scratch_lenet.main(SMALL + ["--devices", "2", "--max-steps", "6", "--batch-size", "96", "--compile",
+                                "--out", str(tmp_path)])
+    assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-4)   # fused kernels round differently
+
+
 def test_ring_allreduce_equals_all_reduce():
     for nproc in (2, 3):
         result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "test_scripts.py", "ring-check"])
@@ -354,6 +360,18 @@ def test_two_nodes_train_like_one_process(tmp_path):
     assert_same_weights(load_model(outs[0]), resnet_reference(2))
 
 
+def test_amp_and_channels_last_run_on_cpu(tmp_path):
+    result = run(["python", "ddp_resnet.py"] + RESNET + ["--max-steps", "1", "--amp", "--channels-last",
+                                                        "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # bf16 autocast: not the fp32 step, but the same step direction
+    start, reference, got = common.fashion_resnet18(0).state_dict(), resnet_reference(1, steps=1), load_model(tmp_path)
+    names = [name for name, _ in common.fashion_resnet18(0).named_parameters()]
+    step_fp32 = torch.cat([(reference[n] - start[n]).flatten() for n in names])
+    step_amp = torch.cat([(got[n] - start[n]).flatten() for n in names])
+    assert F.cosine_similarity(step_fp32, step_amp, dim=0) > 0.9
+
+
 def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
     result = run(["python", "ddp_resnet.py"] + RESNET + ["--max-steps", "1", "--sync-bn", "--out", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -361,7 +379,7 @@ def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
 
 
 # ---------------------------------------------------------------- faults and bad input
-import signal, time
+import signal, threading, time
 
 
 def children_of(pid):
@@ -387,6 +405,8 @@ def test_killed_worker_restarts_and_ends_with_uninterrupted_weights(tmp_path):
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             "--max-restarts=1"] + flags + ["--out", str(out)], cwd=HERE, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(240, job.kill)   # a hung job fails the test instead of CI
+    watchdog.start()
     lines = []
     for line in job.stdout:   # epoch 1 ends and its checkpoint is written; kill during epoch 2
         lines.append(line)
@@ -401,6 +421,7 @@ def test_killed_worker_restarts_and_ends_with_uninterrupted_weights(tmp_path):
     os.kill(workers[1], signal.SIGKILL)
     lines += job.stdout.readlines()
     assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    watchdog.cancel()
     log = "".join(lines)
     assert "resumed from" in log and "epoch 1 done" in log, log[-3000:]
     assert not any(line.startswith("epoch   3") for line in lines[:lines.index(next(l for l in lines if "resumed" in l))])
