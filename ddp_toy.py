@@ -60,7 +60,8 @@ def train(args):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            totals += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum(), torch.tensor(len(y))])
+            count = torch.tensor(float(len(y)), device=device)
+            totals += torch.stack([loss.detach() * count, (logits.argmax(1) == y).sum().float(), count])
             step += 1
             if step == args.max_steps:
                 break

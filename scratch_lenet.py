@@ -141,7 +141,7 @@ def train(args, devices, rank=0, world_size=1):
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
             loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
                                      args.batch_size, rank, world_size, forward)
-            totals += torch.stack([loss, hits.float(), torch.tensor(float(len(idx)))])
+            totals += torch.stack([loss, hits.float(), torch.tensor(float(len(idx)), device=devices[0])])
             step += 1
             progress(batch_in_epoch)
             if step == args.max_steps:
