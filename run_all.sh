@@ -58,9 +58,9 @@ smoke dp_resnet "$PY" dp_resnet.py $small $resnet
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys
 rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]
-print(f"\n{'approach':26} {'devices':12} {'backend':18} {'samples/s':>10} {'test acc':>9} {'seconds':>8}")
+print(f"\n{'approach':26} {'devices':12} {'backend':24} {'samples/s':>10} {'test acc':>9} {'seconds':>8}")
 for run, m in zip(sys.argv[1:], rows):
     devices = f"{len(m['devices'])} x {m['devices'][0]}"
-    print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:18} {m['samples_per_s']:10,.0f} "
+    print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:24} {m['samples_per_s']:10,.0f} "
           f"{m['test_acc']:9.4f} {m['seconds']:8.1f}")
 PYTHON
