@@ -7,7 +7,7 @@ the in-memory tensors (what the script does), the same in channels_last layout, 
 pass through torch.compile, and from a DataLoader with ToTensor and 2 workers (what the d2l original
 does). The variants take turns for several rounds; each figure is the median.
 """
-import os, statistics, sys, time
+import os, shutil, statistics, sys, time
 import torch
 import torchvision
 from torchvision import transforms
@@ -15,27 +15,20 @@ from torchvision import transforms
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common, scratch_lenet
+from bench import torchvision_layout   # the DataLoader variant reads torchvision's layout
 
 BATCH, STEPS, ROUNDS = 256, 40, 5
 devices = [torch.device("cpu")] * 2
 X_train, y_train = common.load_fashion_mnist(os.path.join(ROOT, "data"))["train"]
 batches = common.epoch_batches(len(y_train), BATCH, seed=0, epoch=1)
+TORCHVISION_ROOT = torchvision_layout()
 
 def in_memory(layout=torch.contiguous_format):
     for idx in batches:
         yield X_train[idx].contiguous(memory_format=layout), y_train[idx]
 
 def dataloader():
-    root = os.path.join(ROOT, "data")   # torchvision wants its own layout: unpack once
-    if not os.path.isdir(os.path.join(root, "FashionMNIST", "raw")) or not os.listdir(os.path.join(root, "FashionMNIST", "raw")):
-        import gzip, shutil
-        os.makedirs(os.path.join(root, "FashionMNIST", "raw"), exist_ok=True)
-        for pair in common.FILES.values():
-            for name in pair:
-                with gzip.open(os.path.join(root, name)) as src, \
-                        open(os.path.join(root, "FashionMNIST", "raw", name[:-3]), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-    dataset = torchvision.datasets.FashionMNIST(root, train=True, transform=transforms.Compose(
+    dataset = torchvision.datasets.FashionMNIST(TORCHVISION_ROOT, train=True, transform=transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]))
     return iter(torch.utils.data.DataLoader(dataset, BATCH, shuffle=True, num_workers=2, drop_last=True))
 
@@ -60,6 +53,7 @@ rates = {name: [] for name in variants}
 for _ in range(ROUNDS):
     for name, measure in variants.items():
         rates[name].append(measure())
+shutil.rmtree(TORCHVISION_ROOT)
 base = statistics.median(rates["in-memory tensors (the script)"])
 print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {common.cpu_cores()} cores, torch {torch.__version__}; "
       f"median of {ROUNDS} rounds of {STEPS} steps")
