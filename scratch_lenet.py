@@ -10,6 +10,7 @@ and the step equals the one a single device takes on the whole batch.
                                                   # point-to-point send/recv, still by hand
 """
 import math, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,13 +91,23 @@ def sgd(params, velocities, lr, batch_size, momentum=0.9):
             p -= lr * v
             p.grad.zero_()
 
+def replica_step(X, y, W, forward):
+    """One replica's forward and backward on its share of the batch: fills W's .grad."""
+    out = forward(X, W)
+    loss = F.cross_entropy(out, y, reduction="sum")
+    loss.backward()
+    return loss.detach(), (out.argmax(1) == y).sum()
+
+# The replicas compute at the same time, one thread each, as nn.DataParallel does. One thread
+# would do on GPUs (a kernel launch returns at once, so the devices overlap anyway), but a CPU op
+# returns only when it is done: without threads the CPU replicas would take turns. The threads live
+# for the whole run, so each keeps its OpenMP team.
+REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
+
 def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, world_size=1, forward=lenet):
     """One step on this process's share of the global batch; returns summed loss and hits."""
     X_shards, y_shards = split_batch(X, y, devices)
-    outputs = [forward(X_s, W) for X_s, W in zip(X_shards, replicas)]
-    losses = [F.cross_entropy(out, y_s, reduction="sum") for out, y_s in zip(outputs, y_shards)]
-    for loss in losses:   # each replica's backward fills its own .grad
-        loss.backward()
+    losses, hits = zip(*REPLICA_THREADS.map(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
     with torch.no_grad():
         for i in range(len(replicas[0])):
             allreduce([W[i].grad for W in replicas])
@@ -108,8 +119,7 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, w
     for W, V in zip(replicas, velocities):
         sgd(W, V, lr, global_batch)
     device0 = devices[0]
-    return (sum(l.detach().to(device0) for l in losses),
-            sum((o.argmax(1) == y_s).sum().to(device0) for o, y_s in zip(outputs, y_shards)))
+    return sum(l.to(device0) for l in losses), sum(h.to(device0) for h in hits)
 
 # ---------------------------------------------------------------- training
 def train(args, devices, rank=0, world_size=1):
@@ -189,8 +199,9 @@ def main(argv=None):
     gpus = common.try_all_gpus()
     if gpus[0].type == "cuda":
         devices = gpus[: args.devices]
-    else:   # no GPU: the replicas are CPU copies; the lesson is the same
+    else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
+        common.share_cores(args.devices)
     return train(args, devices)
 
 if __name__ == "__main__":
