@@ -9,7 +9,7 @@ and the step equals the one a single device takes on the whole batch.
     torchrun --nproc_per_node=2 scratch_lenet.py  # one replica per process; a ring allreduce over
                                                   # point-to-point send/recv, still by hand
 """
-import math, os, sys, time
+import argparse, math, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
@@ -37,9 +37,11 @@ def lenet(X, params):
     return F.linear(h, params[6], params[7])                          # -> 10
 
 # ---------------------------------------------------------------- the data-parallel pieces
-def get_params(params, device):
-    """A replica: the parameters copied to `device`, with their own gradients."""
-    return [p.detach().to(device).clone().requires_grad_() for p in params]
+def get_params(params, device, memory_format=torch.contiguous_format):
+    """A replica: the parameters copied to `device`, with their own gradients. Conv weights in
+    channels_last make the convolutions, and the activations after them, use that layout."""
+    return [p.detach().to(device).clone(memory_format=memory_format if p.dim() == 4 else torch.contiguous_format)
+            .requires_grad_() for p in params]
 
 def split_batch(X, y, devices):
     """Cut the batch into one share per device (sizes differ by at most one)."""
@@ -131,7 +133,8 @@ def train(args, devices, rank=0, world_size=1):
     if len(y_train) < args.batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
     # Every process starts from the same seed, so all replicas start equal.
-    replicas = [get_params(init_params(args.seed), d) for d in devices]
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
+    replicas = [get_params(init_params(args.seed), d, layout) for d in devices]
     velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
     forward = torch.compile(lenet) if args.compile else lenet
     backend = f"{dist.get_backend()} send/recv" if world_size > 1 else "hand-written allreduce"
@@ -166,7 +169,7 @@ def train(args, devices, rank=0, world_size=1):
             break
     if master:
         common.finish(metrics, step, time.perf_counter() - start,
-                      dict(zip(PARAM_NAMES, replicas[0])))
+                      {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas
 
 # ---------------------------------------------------------------- command line
@@ -177,6 +180,8 @@ def parse_args(argv=None):
                         "under torchrun each process is one replica")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward pass (needs a C++ compiler on CPU; see the README)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                   help="NHWC layout for the convolutions (default: on; 1.4x faster on CPU, see the README)")
     p.add_argument("--init-timeout", type=common.positive_float, default=300,
                    help="seconds to wait for the other processes under torchrun")
     args = p.parse_args(argv)
@@ -202,6 +207,7 @@ def main(argv=None):
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
         common.share_cores(args.devices)
+        common.keep_freed_memory()
     return train(args, devices)
 
 if __name__ == "__main__":

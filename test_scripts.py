@@ -3,7 +3,7 @@
 They run the README's commands as written, with small sizes through flags, and compare weights,
 accuracies and messages. `python test_scripts.py ring-check` is a helper the tests start under
 torchrun."""
-import json, os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys, threading
 import pytest
 import torch
 import common
@@ -141,6 +141,32 @@ def test_compiled_forward_trains_like_eager(scratch_one_replica, tmp_path):
     scratch_lenet.main(SMALL + ["--devices", "2", "--max-steps", "6", "--batch-size", "96", "--compile",
                                 "--out", str(tmp_path)])
     assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-4)   # fused kernels round differently
+
+
+def test_both_layouts_train_alike(scratch_one_replica, tmp_path):
+    # The default keeps the conv weights (and so the activations) channels_last; NCHW is the same math.
+    final = scratch_lenet.main(SMALL + ["--devices", "2", "--max-steps", "6", "--batch-size", "96",
+                                        "--no-channels-last", "--out", str(tmp_path)])
+    assert not final[0][2].is_contiguous(memory_format=torch.channels_last)
+    assert_same_weights(load_model(tmp_path), scratch_one_replica)
+    assert scratch_lenet.parse_args([]).channels_last   # the fixture's run used channels_last
+
+
+def test_replicas_compute_at_the_same_time(monkeypatch):
+    # Each replica's step waits at a barrier for the others: if they took turns, the first would
+    # wait alone and the barrier would break.
+    barrier, threads = threading.Barrier(3, timeout=60), set()
+    def replica_step(*args):
+        threads.add(threading.get_ident())
+        barrier.wait()
+        return real_step(*args)
+    real_step = scratch_lenet.replica_step
+    monkeypatch.setattr(scratch_lenet, "replica_step", replica_step)
+    X, y = torch.randn(9, 1, 28, 28), torch.randint(0, 10, (9,))
+    replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), "cpu") for _ in range(3)]
+    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
+    scratch_lenet.train_batch(X, y, replicas, velocities, ["cpu"] * 3, lr=0.1, global_batch=9)
+    assert len(threads) == 3 and threading.get_ident() not in threads
 
 
 def test_ring_allreduce_equals_all_reduce():
