@@ -105,6 +105,10 @@ def main():
     for model, approach, devices, backend, layout, rate in rows:
         runs = "/".join(f"{r:,.0f}" for r in rates[approach])
         print(f"{model:9}{approach:42}{devices:11}{backend:14}{layout:17}{rate:10,.0f}{rate / base[model]:7.2f}  {runs}")
+    if not gpus:   # what issue #2 measures: our LeNet step against the original's, per sample
+        original_rate = statistics.median(rates["d2l original (DataLoader, 2 workers)"])
+        for approach in (f"scratch, {n} replicas in one process", f"scratch, {n} replicas, --compile"):
+            print(f"{approach} / d2l original: {statistics.median(rates[approach]) / original_rate:.2f}x")
     json.dump({"machine": machine(), "rows": rows, "runs": rates}, open(os.path.join(OUT, "bench.json"), "w"), indent=1)
 
     import matplotlib

@@ -2,80 +2,92 @@
 
     python benchmarks/lenet_levers.py
 
-Times scratch_lenet.train_batch (2 replicas, global batch 256) with each lever on and off, next to
-the d2l original (benchmarks/original_lenet.py, which times itself the same way: steady-state
-steps after a warm-up). The levers: the replicas computing at the same time in their own threads
-(one core each) instead of taking turns (two cores each); batches sliced from in-memory tensors
-instead of a DataLoader with ToTensor and 2 workers (what the original does); channels_last conv
-weights (--channels-last); the forward pass through torch.compile (--compile). The variants take
-turns for several rounds; each figure is the median, and every ratio is to the original.
+Times scratch_lenet.train_batch (2 replicas, global batch 256) as the levers are switched on one
+by one, next to the d2l original (benchmarks/original_lenet.py): from replicas that take turns
+(the original's loop, two cores each), to replicas in their own threads (one core each), then the
+allocator keeping freed memory, then channels_last: that is the script as it runs by default.
+Two more rows start from the script: --compile on top, and a DataLoader with ToTensor and 2 workers
+(the original's input pipeline) in place of slicing the in-memory tensors. Every figure comes from
+a fresh process (the allocator setting cannot be undone) and is steady state: WARMUP steps first,
+then STEPS timed. The variants take turns for ROUNDS rounds; each figure is the median, and every
+ratio is to the original.
 """
 import json, os, shutil, statistics, subprocess, sys, time, types
-import torch
-import torchvision
-from torchvision import transforms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import common, scratch_lenet
-from bench import torchvision_layout   # the DataLoader variant and the original read torchvision's layout
-
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 BATCH, WARMUP, STEPS, ROUNDS = 256, 5, 40, 5
-devices = [torch.device("cpu")] * 2
-cores = common.cpu_cores()
-X_train, y_train = common.load_fashion_mnist(os.path.join(ROOT, "data"))["train"]
-batches = common.epoch_batches(len(y_train), BATCH, seed=0, epoch=1)
-TORCHVISION_ROOT = torchvision_layout()
-THREADS = scratch_lenet.REPLICA_THREADS
-TAKING_TURNS = types.SimpleNamespace(map=map)   # replica_step called one replica after the other
+SCRIPT = dict(threads=True, keep_memory=True, channels_last=True, compile=False, dataloader=False)
+VARIANTS = {   # name: the levers, or None for the d2l original
+    "d2l original (DataLoader, turns)": None,
+    "replicas take turns, 2 cores each": dict(SCRIPT, threads=False, keep_memory=False, channels_last=False),
+    "+ a thread (1 core) per replica": dict(SCRIPT, keep_memory=False, channels_last=False),
+    "+ allocator keeps freed memory": dict(SCRIPT, channels_last=False),
+    "+ channels_last = the script": SCRIPT,
+    "the script + --compile": dict(SCRIPT, compile=True),
+    "the script with a DataLoader": dict(SCRIPT, dataloader=True),
+}
 
-def in_memory():
-    for idx in batches:
-        yield X_train[idx], y_train[idx]
-
-def dataloader():
-    dataset = torchvision.datasets.FashionMNIST(TORCHVISION_ROOT, train=True, transform=transforms.Compose(
-        [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]))
-    return iter(torch.utils.data.DataLoader(dataset, BATCH, shuffle=True, num_workers=2, drop_last=True))
-
-def rate(batch_source, forward=scratch_lenet.lenet, layout=torch.contiguous_format, threads=THREADS):
-    scratch_lenet.REPLICA_THREADS = threads
-    torch.set_num_threads(max(1, cores // len(devices)) if threads is THREADS else cores)
+def measure(levers, torchvision_root):
+    """One variant, in this (fresh) process: samples/s over STEPS steps after WARMUP."""
+    import torch, torchvision
+    from torchvision import transforms
+    import common, scratch_lenet
+    devices = [torch.device("cpu")] * 2
+    if levers["threads"]:
+        torch.set_num_threads(max(1, common.cpu_cores() // len(devices)))
+    else:   # replica_step called in this thread, one replica after the other
+        scratch_lenet.REPLICA_THREADS = types.SimpleNamespace(map=map)
+    if levers["keep_memory"]:
+        common.keep_freed_memory()
+    if levers["dataloader"]:
+        dataset = torchvision.datasets.FashionMNIST(torchvision_root, train=True, transform=transforms.Compose(
+            [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]))
+        batches = torch.utils.data.DataLoader(dataset, BATCH, shuffle=True, num_workers=2, drop_last=True)
+    else:
+        X_train, y_train = common.load_fashion_mnist(os.path.join(ROOT, "data"))["train"]
+        batches = ((X_train[idx], y_train[idx]) for idx in common.epoch_batches(len(y_train), BATCH, 0, 1))
+    layout = torch.channels_last if levers["channels_last"] else torch.contiguous_format
+    forward = torch.compile(scratch_lenet.lenet) if levers["compile"] else scratch_lenet.lenet
     replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), d, layout) for d in devices]
     velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
-    for i, (X, y) in enumerate(batch_source):
+    for i, (X, y) in enumerate(batches):
         if i == WARMUP:   # warm-up steps (and compilation) stay out of the figure
             start = time.perf_counter()
         scratch_lenet.train_batch(X, y, replicas, velocities, devices, 0.05, BATCH, forward=forward)
         if i == WARMUP + STEPS - 1:
             return STEPS * BATCH / (time.perf_counter() - start)
 
-def original():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "original_lenet.py"),
-                             "--data-dir", TORCHVISION_ROOT, "--batch-size", str(BATCH),
-                             "--warmup", str(WARMUP), "--steps", str(STEPS)],
-                            check=True, capture_output=True, text=True)
+def run(name, torchvision_root):
+    if VARIANTS[name] is None:
+        command = [os.path.join(ROOT, "benchmarks", "original_lenet.py"), "--data-dir", torchvision_root,
+                   "--batch-size", str(BATCH), "--warmup", str(WARMUP), "--steps", str(STEPS)]
+    else:
+        command = [__file__, "--variant", name, torchvision_root]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable] + command, check=True, capture_output=True, text=True, env=env)
     return json.loads(result.stdout.splitlines()[-1])["samples_per_s"]
 
-compiled = torch.compile(scratch_lenet.lenet)
-CL = torch.channels_last
-variants = {
-    "d2l original (DataLoader, turns)": original,
-    "replicas take turns, 2 threads each": lambda: rate(in_memory(), threads=TAKING_TURNS),
-    "replica threads (the script)": lambda: rate(in_memory()),
-    "  with a DataLoader instead": lambda: rate(dataloader()),
-    "  + --channels-last": lambda: rate(in_memory(), layout=CL),
-    "  + --compile": lambda: rate(in_memory(), compiled),
-    "  + --compile --channels-last": lambda: rate(in_memory(), compiled, CL),
-}
-rates = {name: [] for name in variants}
-for _ in range(ROUNDS):
-    for name, measure in variants.items():
-        rates[name].append(measure())
-shutil.rmtree(TORCHVISION_ROOT)
-base = statistics.median(rates["d2l original (DataLoader, turns)"])
-print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {cores} cores, torch {torch.__version__}; "
-      f"median of {ROUNDS} rounds of {STEPS} steps; ratios to the d2l original")
-for name, values in rates.items():
-    print(f"{name:36} {statistics.median(values):7,.0f} samples/s  {statistics.median(values) / base:5.2f}x   "
-          f"({' / '.join(f'{v:,.0f}' for v in values)})")
+def main():
+    from bench import torchvision_layout   # the DataLoader rows read torchvision's layout
+    import torch, common
+    torchvision_root = torchvision_layout()
+    rates = {name: [] for name in VARIANTS}
+    try:
+        for _ in range(ROUNDS):
+            for name in VARIANTS:
+                rates[name].append(run(name, torchvision_root))
+    finally:
+        shutil.rmtree(torchvision_root)
+    base = statistics.median(rates["d2l original (DataLoader, turns)"])
+    print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {common.cpu_cores()} cores, torch {torch.__version__}; "
+          f"median of {ROUNDS} rounds of {STEPS} steps; ratios to the d2l original")
+    for name, values in rates.items():
+        print(f"{name:36} {statistics.median(values):7,.0f} samples/s  {statistics.median(values) / base:5.2f}x   "
+              f"({' / '.join(f'{v:,.0f}' for v in values)})")
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--variant"]:
+        print(json.dumps({"samples_per_s": measure(VARIANTS[sys.argv[2]], sys.argv[3])}))
+    else:
+        main()
