@@ -107,16 +107,17 @@ def train(args):
             break
         # Global batches from (seed, epoch) alone: a new order each epoch (what set_epoch does
         # for a DistributedSampler), and the same batches as one device at any world size.
-        batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch)
+        batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
         progress = common.Progress(epoch, len(batches), master)
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device)   # summed loss, hits, samples
         net.train()
         for batch_in_epoch, idx in enumerate(batches, 1):
-            idx = idx.view(world_size, rank_batch)[rank].to(device)   # DDP: this rank's share
+            idx = idx.view(world_size, rank_batch)[rank]   # DDP: this rank's share
             X = X_train[idx].contiguous(memory_format=memory_format)
             loss_sum, hits = train_step(model, ddp_model, optimizer, X, y_train[idx], args.accum_steps, args.amp)
-            totals += torch.stack([loss_sum, hits.float(), torch.tensor(float(len(idx)), device=device)])
+            totals[:2] += torch.stack([loss_sum, hits.float()])
+            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             progress(batch_in_epoch)
             if step == args.max_steps:

@@ -44,16 +44,16 @@ def train(args):
     print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}", flush=True)
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
-        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch)   # as ddp_resnet.py
+        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(device)   # as ddp_resnet.py
         progress = common.Progress(epoch, len(batches), True)
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device)   # summed loss, hits, samples
         net.train()
         for batch_in_epoch, idx in enumerate(batches, 1):
-            idx = idx.to(device)
             loss_sum, hits = train_step(model, optimizer, X_train[idx].contiguous(memory_format=memory_format),
                                         y_train[idx], args.amp)
-            totals += torch.stack([loss_sum, hits.float(), torch.tensor(float(len(idx)), device=device)])
+            totals[:2] += torch.stack([loss_sum, hits.float()])
+            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             progress(batch_in_epoch)
             if step == args.max_steps:

@@ -3,7 +3,7 @@
 They run the README's commands as written, with small sizes through flags, and compare weights,
 accuracies and messages. `python test_scripts.py ring-check` is a helper the tests start under
 torchrun."""
-import json, os, shutil, subprocess, sys, threading
+import json, os, shutil, signal, subprocess, sys, threading, time
 import pytest
 import torch
 import common
@@ -405,7 +405,6 @@ def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
 
 
 # ---------------------------------------------------------------- faults and bad input
-import signal, threading, time
 
 
 def children_of(pid):
