@@ -299,6 +299,20 @@ RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16"
           "--data-dir", DATA]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+@pytest.mark.parametrize("script, flags", [("ddp_toy", TOY), ("ddp_resnet", RESNET)])
+def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
+    """A group kept alive past destroy_process_group keeps gloo's threads running into interpreter
+    shutdown, where they now and then abort a rank that has finished ("terminate called without
+    an active exception", seen in CI). One rank, started as torchrun would start it."""
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(common.free_port()), **ONE_THREAD)
+    result = run(["python", "test_scripts.py", "threads-left", script, "--out", str(tmp_path)] + flags, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    threads = result.stdout.split("threads left:")[1].split()
+    assert [t for t in threads if "gloo" in t or "tcpstore" in t] == [], threads
+
+
 def resnet_reference(shards, steps=2, lr=0.05):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
@@ -557,5 +571,14 @@ def ring_check():
     dist.destroy_process_group()
 
 
+def threads_left(script, argv):
+    """Run one rank of `script` in this process, then print the names of the threads still running."""
+    __import__(script).main(argv)
+    names = [open(os.path.join("/proc/self/task", t, "comm")).read().strip() for t in os.listdir("/proc/self/task")]
+    print("threads left:", " ".join(sorted(names)), flush=True)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["ring-check"]:
     ring_check()
+if __name__ == "__main__" and sys.argv[1:2] == ["threads-left"]:
+    threads_left(sys.argv[2], sys.argv[3:])
