@@ -31,10 +31,12 @@ def init_params(seed):
             he(128, 800), torch.zeros(128), he(10, 128, gain=1.0), torch.zeros(10)]
 
 def lenet(X, params):
-    h = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), 2)   # 1x28x28 -> 20x13x13
-    h = F.avg_pool2d(F.relu(F.conv2d(h, params[2], params[3])), 2)   # -> 50x4x4
-    h = F.relu(F.linear(h.flatten(1), params[4], params[5]))          # 800 -> 128
-    return F.linear(h, params[6], params[7])                          # -> 10
+    # relu_ works in place: a layer's backward needs its input, not its output, so the ReLU may
+    # overwrite that output and spare a new buffer (7 MB for the first one at 128 images).
+    h = F.avg_pool2d(F.relu_(F.conv2d(X, params[0], params[1])), 2)   # 1x28x28 -> 20x13x13
+    h = F.avg_pool2d(F.relu_(F.conv2d(h, params[2], params[3])), 2)   # -> 50x4x4
+    h = F.relu_(F.linear(h.flatten(1), params[4], params[5]))          # 800 -> 128
+    return F.linear(h, params[6], params[7])                           # -> 10
 
 # ---------------------------------------------------------------- the data-parallel pieces
 def get_params(params, device, memory_format=torch.contiguous_format):
