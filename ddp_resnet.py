@@ -6,7 +6,7 @@
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import contextlib, os, time
+import contextlib, os, time, warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -93,6 +93,11 @@ def train(args):
         first_epoch = done_epoch + 1
         if master:
             print(f"resumed from {args.checkpoint}: epoch {done_epoch} done, step {step}", flush=True)
+    # DDP compares each gradient's strides with its bucket's, those of size-1 dimensions too,
+    # which do not change the layout. On GPUs the 1x1 shortcut convolutions and the one-channel
+    # stem get gradients with such nominal differences, and DDP warns once of a mismatch that is
+    # not there (pytorch#47163). That message alone is silenced.
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
     model = torch.compile(ddp_model) if args.compile else ddp_model
