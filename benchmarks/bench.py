@@ -62,9 +62,11 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     cores, gpus = os.cpu_count(), torch.cuda.device_count()
     tv_root = torchvision_layout()
-    lenet = dict(batch=256, warmup=5, steps=40)
+    # A GPU runs a LeNet step in a few ms: it needs more steps than a CPU for the difference of
+    # two runs to stand out of their start-up noise (an epoch has 234 steps of 256).
+    lenet = dict(batch=256, warmup=5, steps=40) if not gpus else dict(batch=256, warmup=30, steps=200)
     resnet = dict(batch=128, warmup=1, steps=3) if not gpus else dict(batch=256, warmup=10, steps=50)
-    n, kind = max(gpus, 2), "GPU" if gpus else "CPU"
+    n, kind = gpus or 2, "GPU" if gpus else "CPU"   # every GPU, or 2 CPU replicas/ranks
     backend = "nccl" if gpus else "gloo"
     one = "1 GPU" if gpus else "CPU"
     approaches = [   # model, approach, devices, backend, processes x threads, how to measure
