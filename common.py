@@ -5,7 +5,12 @@ memory, evaluation, a timer, the common command line and the output files.
 import argparse, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, socket, struct, sys, time
 import torch
 import torch.distributed as dist
-import torch.distributed.nn   # noqa: F401  imported before any group exists: see init_distributed
+# Imported before any process group exists, on purpose: torch.distributed.nn binds group.WORLD
+# as a default argument when it is first imported. DDP imports it (through torch._dynamo); after
+# init_process_group, that default would keep the group and its threads alive past
+# destroy_process_group, running while the interpreter shuts down, which is when finished ranks
+# were seen to abort at random.
+import torch.distributed.nn   # noqa: F401
 import torch.multiprocessing as mp
 from torch.distributed.rendezvous import rendezvous
 
@@ -77,10 +82,6 @@ def init_distributed(timeout_s):
         share_cores(local_world)
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     timeout = datetime.timedelta(seconds=timeout_s)   # bounds the rendezvous and every collective
-    # torch.distributed.nn, imported at the top, binds group.WORLD as a default argument when it
-    # is first imported. DDP imports it (through torch._dynamo): imported after this point, it
-    # would keep the group and its threads alive past destroy_process_group, running while the
-    # interpreter shuts down, which is when finished ranks were seen to abort at random.
     try:
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
         # After a torchrun restart the store still holds the dead workers' addresses; a key

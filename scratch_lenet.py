@@ -132,11 +132,11 @@ def train(args, devices, rank=0, world_size=1):
         common.check_out_dir(args.out)
     data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
     (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    if len(y_train) < args.batch_size:
+        sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
     # The training set lives on the first device (188 MB on a GPU): a step then gathers its batch
     # there, instead of on the CPU followed by a copy to the GPU.
     X_train, y_train = X_train.to(devices[0]), y_train.to(devices[0])
-    if len(y_train) < args.batch_size:
-        sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
     # Every process starts from the same seed, so all replicas start equal.
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     replicas = [get_params(init_params(args.seed), d, layout) for d in devices]

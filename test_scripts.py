@@ -309,8 +309,11 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
                MASTER_PORT=str(common.free_port()), **ONE_THREAD)
     result = run(["python", "test_scripts.py", "threads-left", script, "--out", str(tmp_path)] + flags, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    threads = result.stdout.split("threads left:")[1].split()
-    assert [t for t in threads if "gloo" in t or "tcpstore" in t] == [], threads
+    def group_threads(label):
+        names = result.stdout.split(label)[1].splitlines()[0].split()
+        return [t for t in names if "gloo" in t or "tcpstore" in t]
+    assert group_threads("threads before destroy:"), result.stdout   # the names this check looks for
+    assert group_threads("threads left:") == [], result.stdout
 
 
 def resnet_reference(shards, steps=2, lr=0.05):
@@ -572,10 +575,18 @@ def ring_check():
 
 
 def threads_left(script, argv):
-    """Run one rank of `script` in this process, then print the names of the threads still running."""
+    """Run one rank of `script` in this process; print the names of its threads just before it
+    destroys the process group, and after the script has returned."""
+    import torch.distributed as dist
+    def thread_names():
+        return " ".join(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+    destroy = dist.destroy_process_group
+    def destroy_and_report(*args, **kwargs):
+        print("threads before destroy:", thread_names(), flush=True)
+        destroy(*args, **kwargs)
+    dist.destroy_process_group = destroy_and_report
     __import__(script).main(argv)
-    names = [open(os.path.join("/proc/self/task", t, "comm")).read().strip() for t in os.listdir("/proc/self/task")]
-    print("threads left:", " ".join(sorted(names)), flush=True)
+    print("threads left:", thread_names(), flush=True)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["ring-check"]:
