@@ -62,20 +62,22 @@ def _run_rank(local_rank, worker, args):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     worker(args)
 
-def init_distributed(timeout_s):
+def init_distributed(timeout_s, gpus_per_process=1):
     """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (torchrun or
-    spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK."""
+    spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK: on GPUs,
+    the process drives GPUs LOCAL_RANK*k .. LOCAL_RANK*k+k-1 of its node, k = gpus_per_process."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = pick_backend()
     if sys.platform == "win32":
         os.environ.setdefault("USE_LIBUV", "0")   # some Windows builds of torch lack libuv
     if backend == "nccl":
-        if local_world > torch.cuda.device_count():   # NCCL would say "Duplicate GPU detected"
-            sys.exit(f"rank {rank}: error: {local_world} processes on this node but "
+        if local_world * gpus_per_process > torch.cuda.device_count():   # NCCL: "Duplicate GPU detected"
+            each = f" x {gpus_per_process} GPUs each" if gpus_per_process > 1 else ""
+            sys.exit(f"rank {rank}: error: {local_world} processes{each} on this node but "
                      f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or use gloo "
                      f"on CPU with CUDA_VISIBLE_DEVICES=")
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank * gpus_per_process)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -298,8 +300,11 @@ def write_outputs(out, metrics, state_dict):
 
 def new_metrics(script, args, devices, backend, world_size, test_samples):
     """The record a run writes to metrics.json; `devices` names one device per replica."""
+    per_process = len(devices) // world_size
+    layout = f"{world_size} process{'es' * (world_size > 1)} x {per_process} replica{'s' * (per_process > 1)}"
     return {"script": os.path.basename(script), "config": vars(args), "devices": [str(d) for d in devices],
-            "backend": backend, "world_size": world_size, "test_samples": test_samples, "epochs": []}
+            "backend": backend, "world_size": world_size, "layout": layout, "test_samples": test_samples,
+            "epochs": []}
 
 def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):
     """totals: [summed loss, correct, samples], already summed over all replicas."""
@@ -318,9 +323,8 @@ def finish(metrics, steps, seconds, state_dict):
                    samples_per_s=samples / sum(e["seconds"] for e in metrics["epochs"]))
     write_outputs(metrics["config"]["out"], metrics, state_dict)
     devices = sorted(set(metrics["devices"]))
-    processes = f"{metrics['world_size']} process{'es' if metrics['world_size'] > 1 else ''}"
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(devices)} "
-          f"({metrics['backend']}, {processes}): test acc "
+          f"({metrics['backend']}, {metrics['layout']}): test acc "
           f"{metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
           f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s; "
           f"wrote {metrics['config']['out']}/{{metrics.json,curves.png,model.pt}}", flush=True)

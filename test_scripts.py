@@ -127,7 +127,7 @@ def scratch_one_replica(tmp_path_factory):
     return load_model(out)
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [2, 3, 4])
 def test_scratch_replicas_end_with_one_device_weights(replicas, scratch_one_replica, tmp_path):
     out = str(tmp_path)
     final = scratch_lenet.main(SMALL + ["--devices", str(replicas), "--max-steps", "6",
@@ -186,6 +186,38 @@ def test_scratch_under_torchrun_matches_one_process(nproc, scratch_one_replica, 
     assert metrics["world_size"] == nproc and metrics["backend"] == "gloo send/recv"
 
 
+LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))
+
+
+@pytest.mark.parametrize("nproc, devices, flag", [(2, 2, None), (2, 1, "--overlap"), (3, 1, "--overlap"),
+                                                  (2, 2, "--overlap"), (3, 2, "--overlap"),
+                                                  (2, 1, "--zero"), (3, 1, "--zero"), (2, 2, "--zero")])
+def test_hierarchical_overlap_and_zero_train_like_one_device(nproc, devices, flag, scratch_one_replica, tmp_path):
+    """2 processes x 2 replicas is 4 replicas; --overlap (one bucket per layer) and --zero only
+    move when and where the sums and updates happen: the weights stay those of one device."""
+    flags = [flag] + (["--bucket-kb", "1"] if flag == "--overlap" else []) if flag else []
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "scratch_lenet.py", "--devices",
+                  str(devices)] + flags + SMALL + ["--max-steps", "6", "--batch-size", "96", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-6)
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    layout = f"{nproc} processes x {devices} replica{'s' * (devices > 1)}"
+    assert metrics["layout"] == layout and layout in result.stdout
+    if flag == "--overlap":
+        assert "in 4 buckets" in result.stdout   # --bucket-kb 1: one per LeNet layer
+    replicated = 4 * LENET_PARAMS * devices   # momentum for every parameter in every replica
+    rank0_chunk = len(torch.empty(LENET_PARAMS).tensor_split(nproc)[scratch_lenet.owned_chunk(0, nproc)])
+    assert metrics["optimizer_state_bytes"] == (4 * rank0_chunk if flag == "--zero" else replicated)
+    if flag == "--zero":   # 1/W of one replica's momentum, up to the uneven last chunk
+        assert abs(metrics["optimizer_state_bytes"] - 4 * LENET_PARAMS / nproc) <= 4
+
+
+def test_overlap_sends_before_backward_ends():
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "test_scripts.py", "overlap-order"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("overlap ok") == 2, result.stdout
+
+
 def test_scratch_readme_command_learns(tmp_path):
     result = run(["python", "scratch_lenet.py", "--epochs", "1", "--out", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,6 +235,9 @@ def test_scratch_readme_command_learns(tmp_path):
     (["--lr", "-1"], "error: argument --lr: must be positive, got -1"),
     (["--epochs", "0"], "error: argument --epochs: must be positive, got 0"),
     (["--max-steps", "-3"], "error: argument --max-steps: must be positive, got -3"),
+    (["--overlap"], "error: --overlap and --zero work between processes: start the script with torchrun"),
+    (["--zero"], "error: --overlap and --zero work between processes: start the script with torchrun"),
+    (["--bucket-kb", "0"], "error: argument --bucket-kb: must be positive, got 0"),
 ])
 def test_bad_flags_give_argparse_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -292,6 +327,10 @@ def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         common.init_distributed(5)
     assert "2 processes on this node but 1 GPUs" in str(exit_info.value.code)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)   # scratch_lenet --devices 2 under torchrun
+    with pytest.raises(SystemExit) as exit_info:
+        common.init_distributed(5, gpus_per_process=2)
+    assert "2 processes x 2 GPUs each on this node but 3 GPUs" in str(exit_info.value.code)
 
 # ---------------------------------------------------------------- ddp_resnet.py and dp_resnet.py
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # torchrun's setting with 2+ workers; see resnet_reference
@@ -570,7 +609,38 @@ def ring_check():
         scratch_lenet.ring_allreduce(mine, rank, world_size)
         for a, b in zip(mine, expected):
             assert torch.allclose(a, b, atol=1e-5), (shapes, a, b)
+        # The first half alone leaves this process the full sum of the chunk it owns.
+        chunks = list(torch.randn(sum(torch.Size(s).numel() for s in shapes)).tensor_split(world_size))
+        total = torch.cat(chunks).clone()
+        dist.all_reduce(total)
+        scratch_lenet.ring_reduce_scatter(chunks, rank, world_size)
+        mine = scratch_lenet.owned_chunk(rank, world_size)
+        assert torch.allclose(chunks[mine], total.tensor_split(world_size)[mine], atol=1e-5)
     print("ring ok", flush=True)
+    dist.destroy_process_group()
+
+
+def overlap_order():
+    """Under torchrun: with --overlap a bucket's ring allreduce starts before backward has produced
+    the last gradient (the first layer's)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    events, ring = [], scratch_lenet.ring_allreduce
+    def recorded_ring(tensors, *args):
+        events.append("send")
+        ring(tensors, *args)
+    scratch_lenet.ring_allreduce = recorded_ring
+    replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), "cpu")]
+    overlap = scratch_lenet.OverlappedAllreduce(replicas, rank, world_size, bucket_bytes=1024)
+    for p in replicas[0]:   # registered after the class's own hook, so it runs after it
+        p.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
+    X, y = torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))
+    velocities = [[torch.zeros_like(p) for p in replicas[0]]]
+    scratch_lenet.train_batch(X, y, replicas, velocities, ["cpu"], 0.1, 256, rank, world_size, overlap=overlap)
+    last_grad = len(events) - 1 - events[::-1].index("grad")
+    assert events.count("send") == 4 and events.index("send") < last_grad, events
+    print("overlap ok", events, flush=True)
     dist.destroy_process_group()
 
 
@@ -591,5 +661,7 @@ def threads_left(script, argv):
 
 if __name__ == "__main__" and sys.argv[1:] == ["ring-check"]:
     ring_check()
+if __name__ == "__main__" and sys.argv[1:] == ["overlap-order"]:
+    overlap_order()
 if __name__ == "__main__" and sys.argv[1:2] == ["threads-left"]:
     threads_left(sys.argv[2], sys.argv[3:])
