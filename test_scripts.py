@@ -595,6 +595,64 @@ def test_zero_or_negative_numbers_are_refused(script, flag, value, capsys):
     assert f"argument {flag}: must be positive, got {value}" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- several machines, simulated
+import simulated_cluster
+NO_CLUSTER = simulated_cluster.unavailable()   # None here as root with ip, tc and ethtool
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_path):
+    """The command line of simulated_cluster.py: two nodes with their own addresses and 1 Gbit/s
+    links, one torchrun per node, rendezvous at node 0's address."""
+    torchrun = f"{sys.executable} -m torch.distributed.run"
+    result = run(["python", "simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"] + torchrun.split() +
+                 ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
+                  f"--master-port={common.free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_weights(load_model(tmp_path / "node0"), toy_one_rank)
+    assert not (tmp_path / "node1").exists()   # rank 0 alone writes
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_scratch_hierarchical_on_two_simulated_nodes_trains_like_one_device(scratch_one_replica, tmp_path):
+    port = common.free_port()
+    with simulated_cluster.SimulatedCluster(2, rate_mbit=300) as cluster:
+        jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                  f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
+                                  "scratch_lenet.py", "--devices", "2", "--overlap", "--out", str(tmp_path)] + SMALL +
+                              ["--max-steps", "6", "--batch-size", "96"],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i in range(2)]
+        for job in jobs:
+            _, err = job.communicate(timeout=300)
+            assert job.returncode == 0, err[-3000:]
+    assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-6)
+    assert json.load(open(tmp_path / "metrics.json"))["layout"] == "2 processes x 2 replicas"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in namespaces for name in cluster.names + [cluster.switch])   # all deleted
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_simulated_cluster_is_deleted_after_an_error():
+    with pytest.raises(RuntimeError):
+        with simulated_cluster.SimulatedCluster(2) as cluster:
+            sleeper = cluster.popen(1, ["sleep", "600"])
+            raise RuntimeError("a failing run")
+    assert sleeper.poll() is not None   # what it started was stopped
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in namespaces for name in cluster.names + [cluster.switch])
+
+
+def test_simulated_cluster_without_root_says_why_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    reason = "simulated cluster: needs root (or CAP_NET_ADMIN) to create network namespaces"
+    assert simulated_cluster.unavailable() == reason
+    with pytest.raises(SystemExit) as exit_info:
+        simulated_cluster.main(["--nodes", "2", "--", "true"])
+    assert exit_info.value.code == reason   # printed to stderr, exit status 1
+
+
 def ring_check():
     """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
     import torch.distributed as dist
