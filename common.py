@@ -187,10 +187,12 @@ def fashion_resnet18(seed):
 @torch.no_grad()
 def evaluate(predict, images, labels, device, rank=0, world_size=1, batch_size=1000):
     """Accuracy on the whole split: each rank scores its own slice (no padding, so nothing is
-    counted twice), then [correct, count] is summed over ranks before dividing."""
+    counted twice), then [correct, count] is summed over ranks before dividing. Every rank makes
+    the same number of forward passes: with FSDP a forward is a collective (it gathers weights)."""
     mine = torch.arange(len(labels)).tensor_split(world_size)[rank]
+    passes = max(1, math.ceil(math.ceil(len(labels) / world_size) / batch_size))   # the largest slice's
     correct = torch.zeros((), device=device)
-    for idx in mine.split(batch_size):
+    for idx in mine.tensor_split(passes):
         correct += (predict(images[idx].to(device)).argmax(1) == labels[idx].to(device)).sum()
     totals = torch.stack([correct, torch.tensor(float(len(mine)), device=device)]).double()
     if world_size > 1:

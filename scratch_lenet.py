@@ -74,9 +74,11 @@ def owned_chunk(rank, world_size):
     return (rank + 1) % world_size
 
 def _exchange(send_chunk, recv_buffer, rank, world_size):
-    # Both directions at once, so no process waits on another.
-    ops = [dist.P2POp(dist.isend, send_chunk, (rank + 1) % world_size),
-           dist.P2POp(dist.irecv, recv_buffer, (rank - 1) % world_size)]
+    # Both directions at once, so no process waits on another. The receive is posted first:
+    # gloo starts a send only once the peer has posted its receive, and with the sends first both
+    # directions took turns (twice the time of one message on a simulated 100 Mbit/s link).
+    ops = [dist.P2POp(dist.irecv, recv_buffer, (rank - 1) % world_size),
+           dist.P2POp(dist.isend, send_chunk, (rank + 1) % world_size)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
 

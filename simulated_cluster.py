@@ -21,7 +21,7 @@ processes of one machine do. `netem` (delay emulation) is not in every kernel; `
 gloo inside a node needs GLOO_SOCKET_IFNAME=eth0: without it gloo resolves the hostname to
 127.0.0.1 and advertises that to its peers (real clusters hit the same). `env()` sets it.
 """
-import argparse, os, shutil, signal, subprocess, sys, uuid
+import argparse, contextlib, os, shutil, signal, subprocess, sys, threading, uuid
 
 SUBNET = "10.99.0"   # private to this cluster's bridge: two clusters at once never see each other
 
@@ -60,15 +60,21 @@ class SimulatedCluster:
         self.processes = []
 
     def __enter__(self):
+        # A polite kill (SIGTERM) ends the block like Ctrl-C does, so the nodes are deleted then too.
+        self.previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous_handler = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             self._create()
         except BaseException:
-            self._delete()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc):
         self._delete()
+        if self.previous_handler is not None:
+            signal.signal(signal.SIGTERM, self.previous_handler)
 
     def _create(self):
         _ip("netns", "add", self.switch)
@@ -91,9 +97,10 @@ class SimulatedCluster:
                              f"{self.rate_mbit}mbit", "burst", "16kb", "latency", "100ms"])
 
     def _delete(self):
-        for p in self.processes:   # only what we started, by its pid
-            if p.poll() is None:
-                p.kill()
+        for p in self.processes:   # what we started: each in a process group of its own, with its
+            if p.poll() is None:   # children (torchrun's workers), found by that group's id
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         for name in self.names + [self.switch]:   # deleting a node also removes its cable
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
@@ -110,7 +117,7 @@ class SimulatedCluster:
     def popen(self, node, command, **kwargs):
         """Start a command inside node `node`; it is stopped when the cluster is deleted."""
         kwargs.setdefault("env", self.env())
-        process = subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], **kwargs)
+        process = subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], start_new_session=True, **kwargs)
         self.processes.append(process)
         return process
 
@@ -129,7 +136,6 @@ def main(argv=None):
     problem = unavailable()
     if problem:
         sys.exit(problem)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # clean up on a polite kill too
     with SimulatedCluster(args.nodes, args.rate_mbit) as cluster:
         jobs = [cluster.popen(i, [part.format(node=i, addr=cluster.addresses[i], head=cluster.addresses[0])
                                   for part in command]) for i in range(args.nodes)]

@@ -643,6 +643,36 @@ def test_simulated_cluster_is_deleted_after_an_error():
     assert not any(name in namespaces for name in cluster.names + [cluster.switch])
 
 
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_simulated_cluster_killed_with_sigterm_deletes_its_nodes_and_their_processes(tmp_path):
+    """A command whose node runs a process that starts a child (as torchrun starts workers)."""
+    child_pid = tmp_path / "child.pid"
+    script = f"import subprocess, time; p = subprocess.Popen(['sleep', '600']); open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    job = subprocess.Popen([sys.executable, "simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not child_pid.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    mine = [line.split()[0] for line in names.splitlines() if line.startswith(f"dpc{job.pid}-")]
+    assert len(mine) == 3, names   # two nodes and the switch
+    job.terminate()
+    assert job.wait(timeout=30) == 143
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in names for name in mine)
+    assert not running(int(child_pid.read_text()))   # the child was stopped too
+
+
+def running(pid):
+    """Whether the process exists and is not a zombie (one waiting for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_simulated_cluster_without_root_says_why_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")

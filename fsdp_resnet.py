@@ -1,0 +1,179 @@
+"""ResNet-18 on Fashion-MNIST with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
+gradients and optimizer state.
+
+    python fsdp_resnet.py                         # one process, no launcher needed
+    torchrun --standalone --nproc_per_node=2 fsdp_resnet.py
+
+The same training as ddp_resnet.py (same batches, same weights after every step), with another
+memory layout. DDP keeps the whole model, its gradients and its optimizer state on every rank and
+allreduces the gradients. FSDP keeps a 1/W shard of each; before a block's forward (and again
+before its backward) it all-gathers that block's parameters and frees them after; after backward
+it reduce-scatters the gradients, so each rank receives the summed gradient of its own shard only,
+and the optimizer updates that shard. About 1.5x DDP's bytes on the wire, for 1/W of the memory.
+Lines that exist only because of sharding are tagged `# FSDP:`.
+"""
+import os, shutil, time
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+import common
+
+ARCH = "fashion_resnet18"
+
+# ---------------------------------------------------------------- checkpoints: every rank writes its shard
+def save_checkpoint(path, model, optimizer, epoch, step, history, rank):
+    """torch.distributed.checkpoint: each rank writes its own shards into the folder `path` (on
+    storage every node sees); no rank ever holds the whole model. Written to a temp folder first:
+    the previous checkpoint stays whole until the new one is."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)   # FSDP: sharded (DTensors)
+    tmp = f"{path}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    if rank == 0:
+        torch.save({"arch": ARCH, "epoch": epoch, "step": step, "history": history,
+                    "cpu_rng": torch.get_rng_state()}, os.path.join(tmp, "progress.pt"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()   # nobody goes on (or reads the checkpoint) before it is in place
+
+def load_checkpoint(path, model, optimizer):
+    """Load into this run's shards, whatever the world size that wrote it (DCP reshards)."""
+    try:
+        progress = torch.load(os.path.join(path, "progress.pt"))
+        if progress.get("arch") != ARCH:
+            raise ValueError(f"it holds no {ARCH} checkpoint")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except Exception as e:
+        reason = " ".join(str(e).split())
+        raise SystemExit(f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}")
+    torch.set_rng_state(progress["cpu_rng"])
+    return progress["epoch"], progress["step"], progress["history"]
+
+def full_state_dict(model):
+    """The whole model as one state dict of CPU tensors on rank 0 (empty elsewhere), as the other
+    scripts write model.pt. Every rank must call it: the shards are gathered."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def bytes_held(model, optimizer):
+    """What this rank really holds: its local shards of parameters, gradients, optimizer state."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None),
+            "optimizer_state": size(state)}
+
+# ---------------------------------------------------------------- training
+def train(args):
+    rank, world_size, device = common.init_distributed(args.init_timeout)
+    master = rank == 0
+    if master:
+        common.check_out_dir(args.out)
+    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    rank_batch = common.rank_batch_size(args.batch_size, world_size, len(y_train), master)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    X_train, X_test = X_train.to(device), X_test.to(device)
+    y_train, y_test = y_train.to(device), y_test.to(device)
+
+    net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
+    # FSDP: shard each residual stage, then the root (stem, last layer). A stage's parameters are
+    # gathered just before it runs and freed after, so at most one stage is ever whole.
+    mesh = init_device_mesh(device.type, (world_size,))
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp \
+        else MixedPrecisionPolicy()   # --amp: bf16 compute, gradients reduced in fp32
+    for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
+        fully_shard(stage, mesh=mesh, mp_policy=precision)
+    model = fully_shard(net, mesh=mesh, mp_policy=precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size, len(y_test))
+    first_epoch, step = 1, 0
+    if args.resume and os.path.isdir(args.checkpoint):
+        done_epoch, step, metrics["epochs"] = load_checkpoint(args.checkpoint, model, optimizer)
+        first_epoch = done_epoch + 1
+        if master:
+            print(f"resumed from {args.checkpoint}: epoch {done_epoch} done, step {step}", flush=True)
+    if master:
+        print(f"fsdp_resnet: {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
+              f"{rank_batch * world_size} = {world_size} x {rank_batch}, parameters sharded {world_size} ways",
+              flush=True)
+    start = time.perf_counter()
+    for epoch in range(first_epoch, args.epochs + 1):
+        if step == args.max_steps:
+            break
+        batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
+        progress = common.Progress(epoch, len(batches), master)
+        timer = common.Timer(device)
+        totals = torch.zeros(3, device=device)   # summed loss, hits, samples
+        model.train()
+        for batch_in_epoch, idx in enumerate(batches, 1):
+            idx = idx.view(world_size, rank_batch)[rank]   # this rank's share
+            X, y = X_train[idx].contiguous(memory_format=memory_format), y_train[idx]
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(X)                        # FSDP: all-gather each stage's parameters in turn
+            loss = F.cross_entropy(logits.float(), y)
+            loss.backward()                          # FSDP: gather again, then reduce-scatter the gradients
+            optimizer.step()                         # FSDP: each rank updates its own shard
+            totals[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum().float()])
+            totals[2] += len(idx)
+            step += 1
+            progress(batch_in_epoch)
+            if step == args.max_steps:
+                break
+        seconds = timer()
+        dist.all_reduce(totals)
+        # FSDP: BatchNorm's running statistics are per rank and never synchronised (DDP broadcasts
+        # rank 0's before each forward); evaluate with rank 0's on every rank, those model.pt holds.
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        model.eval()
+        test_acc = common.evaluate(model, X_test, y_test, device, rank, world_size)
+        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        if step != args.max_steps:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch, step, metrics["epochs"], rank)
+    held = [None] * world_size
+    dist.all_gather_object(held, bytes_held(model, optimizer))   # FSDP: what each rank holds
+    state = full_state_dict(model)
+    if master and metrics["epochs"]:
+        metrics["bytes_per_rank"] = held
+        mb = lambda key: f"{held[0][key] / 1e6:.1f}"
+        print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
+              f"optimizer state (of {sum(h['params'] for h in held) / 1e6:.1f} MB each, all of which "
+              f"DDP keeps on every rank)", flush=True)
+        common.finish(metrics, step, time.perf_counter() - start, state)
+    dist.destroy_process_group()
+    return state
+
+# ---------------------------------------------------------------- command line
+def parse_args(argv=None):
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
+    p.add_argument("--amp", action="store_true", help="bf16 compute, fp32 gradient reduction (FSDP's mixed precision)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--checkpoint", help="checkpoint folder, one file per rank, written after every epoch "
+                                        "(default: <out>/checkpoint)")
+    p.add_argument("--resume", action="store_true", help="go on from --checkpoint if it exists (any world size)")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300,
+                   help="seconds to wait for every rank to join before giving up")
+    args = p.parse_args(argv)
+    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:   # plain `python fsdp_resnet.py`: a group of one on this machine
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+    return train(args)
+
+if __name__ == "__main__":
+    main()
