@@ -62,6 +62,12 @@ def _run_rank(local_rank, worker, args):
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     worker(args)
 
+def default_to_one_process():
+    """Run by plain `python script.py` (no launcher): describe a group of one on this machine."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
 def init_distributed(timeout_s, gpus_per_process=1):
     """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (torchrun or
     spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK: on GPUs,
@@ -198,6 +204,12 @@ def evaluate(predict, images, labels, device, rank=0, world_size=1, batch_size=1
     if world_size > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
+
+def broadcast_buffers(module):
+    """BatchNorm's running statistics are updated by each rank's own batches; give every rank
+    rank 0's (those its model.pt holds) before evaluating, so the accuracy is that model's."""
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)
 
 class Timer:
     """Seconds of wall-clock time, waiting for queued GPU work first (CUDA runs asynchronously)."""

@@ -129,6 +129,7 @@ def train(args):
                 break
         seconds = timer()
         dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
+        common.broadcast_buffers(net)   # DDP: BatchNorm statistics: rank 0's, those model.pt holds
         net.eval()
         test_acc = common.evaluate(net, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
@@ -158,9 +159,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:   # plain `python ddp_resnet.py`: a group of one on this machine
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+    common.default_to_one_process()   # plain `python ddp_resnet.py`: a group of one
     return train(args)
 
 if __name__ == "__main__":

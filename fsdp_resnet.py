@@ -66,12 +66,24 @@ def full_state_dict(model):
 
 def bytes_held(model, optimizer):
     """What this rank really holds: its local shards of parameters, gradients, optimizer state."""
+    model.reshard()   # the root keeps its parameters gathered after a forward; back to shards
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t
     size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     return {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None),
             "optimizer_state": size(state)}
+
+# ---------------------------------------------------------------- the model, sharded
+def shard(net, device, world_size, amp):
+    """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
+    are gathered just before it runs and freed after, so at most one stage is ever whole."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp
+                 else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
+    for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
+        fully_shard(stage, mesh=mesh, mp_policy=precision)
+    return fully_shard(net, mesh=mesh, mp_policy=precision)
 
 # ---------------------------------------------------------------- training
 def train(args):
@@ -87,14 +99,7 @@ def train(args):
     y_train, y_test = y_train.to(device), y_test.to(device)
 
     net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
-    # FSDP: shard each residual stage, then the root (stem, last layer). A stage's parameters are
-    # gathered just before it runs and freed after, so at most one stage is ever whole.
-    mesh = init_device_mesh(device.type, (world_size,))
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.amp \
-        else MixedPrecisionPolicy()   # --amp: bf16 compute, gradients reduced in fp32
-    for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
-        fully_shard(stage, mesh=mesh, mp_policy=precision)
-    model = fully_shard(net, mesh=mesh, mp_policy=precision)
+    model = shard(net, device, world_size, args.amp)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size, len(y_test))
     first_epoch, step = 1, 0
@@ -132,10 +137,7 @@ def train(args):
                 break
         seconds = timer()
         dist.all_reduce(totals)
-        # FSDP: BatchNorm's running statistics are per rank and never synchronised (DDP broadcasts
-        # rank 0's before each forward); evaluate with rank 0's on every rank, those model.pt holds.
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+        common.broadcast_buffers(model)   # BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
         test_acc = common.evaluate(model, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
@@ -170,9 +172,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if "RANK" not in os.environ:   # plain `python fsdp_resnet.py`: a group of one on this machine
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()))
+    common.default_to_one_process()   # plain `python fsdp_resnet.py`: a group of one
     return train(args)
 
 if __name__ == "__main__":

@@ -460,6 +460,61 @@ def test_sync_bn_on_cpu_says_so_and_goes_on(tmp_path):
     assert "--sync-bn needs CUDA" in result.stdout
 
 
+# ---------------------------------------------------------------- fsdp_resnet.py
+import fsdp_resnet
+RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
+
+
+@pytest.mark.parametrize("nproc, steps", [(2, 2), (3, 1)])
+def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, steps, tmp_path):
+    """Same seed and global batch: the same weights (at 3 ranks after one step: in the first steps
+    of a ResNet, the other summation order of a reduce-scatter grows from 1e-7 to 4e-5 by the
+    second). Each rank holds 1/W of the parameters, gradients and momentum."""
+    flags = RESNET + ["--batch-size", "12", "--max-steps", str(steps)]
+    fsdp = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "fsdp_resnet.py"] + flags +
+               ["--out", str(tmp_path / "fsdp")], env=ONE_THREAD)
+    ddp = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + flags +
+              ["--out", str(tmp_path / "ddp")], env=ONE_THREAD)
+    assert fsdp.returncode == 0 and ddp.returncode == 0, fsdp.stderr[-3000:] + ddp.stderr[-3000:]
+    assert_same_weights(load_model(tmp_path / "fsdp"), load_model(tmp_path / "ddp"))
+    metrics = json.load(open(tmp_path / "fsdp" / "metrics.json"))
+    assert metrics["test_acc"] == json.load(open(tmp_path / "ddp" / "metrics.json"))["test_acc"]
+    held = metrics["bytes_per_rank"]
+    assert len(held) == nproc
+    for kind in ("params", "grads", "optimizer_state"):
+        assert sum(h[kind] for h in held) == RESNET_BYTES   # the shards are the model, once
+        assert max(h[kind] for h in held) <= RESNET_BYTES / nproc * 1.01   # each about 1/W of it
+    assert f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters" in fsdp.stdout
+
+
+def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
+    """Each rank writes its own shard; 1 or 3 ranks read them back into their own shards (DCP
+    reshards), and the whole model they then hold is the one the 2 ranks saved."""
+    flags = ["--train-samples", "48", "--batch-size", "12", "--test-samples", "50", "--data-dir", DATA]
+    saved = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--epochs", "1"] + flags +
+                ["--out", str(tmp_path)], env=ONE_THREAD)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    shards = sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.suffix == ".distcp")
+    assert len(shards) == 2, shards   # one file per rank
+    for nproc in (1, 3):
+        loaded = tmp_path / f"loaded{nproc}.pt"
+        result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "test_scripts.py", "fsdp-load",
+                      str(tmp_path / "checkpoint"), str(loaded)], env=ONE_THREAD)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_same_weights(torch.load(loaded), load_model(tmp_path), tol=0)
+    resumed = run(["torchrun", "--standalone", "--nproc_per_node=3", "fsdp_resnet.py", "--epochs", "2", "--resume"] +
+                  flags + ["--out", str(tmp_path)], env=ONE_THREAD)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "epoch 1 done, step 4" in resumed.stdout
+    assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
+
+
+def test_fsdp_resume_from_a_folder_without_a_checkpoint_says_so(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    result = run(["python", "fsdp_resnet.py", "--resume", "--out", str(tmp_path)] + RESNET)
+    assert result.returncode != 0
+    assert f"cannot resume from {tmp_path / 'checkpoint'}" in result.stderr and "Traceback" not in result.stderr
+
 # ---------------------------------------------------------------- faults and bad input
 
 
@@ -585,7 +640,7 @@ def test_resume_from_a_wrong_file_says_what_is_wrong(bad, tmp_path):
     assert expected in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("script", [ddp_toy, ddp_resnet, dp_resnet])
+@pytest.mark.parametrize("script", [ddp_toy, ddp_resnet, dp_resnet, fsdp_resnet])
 @pytest.mark.parametrize("flag", ["--epochs", "--max-steps", "--batch-size", "--lr"])
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_zero_or_negative_numbers_are_refused(script, flag, value, capsys):
@@ -732,6 +787,19 @@ def overlap_order():
     dist.destroy_process_group()
 
 
+def fsdp_load(checkpoint, out):
+    """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
+    write the whole model it then holds."""
+    rank, world_size, device = common.init_distributed(60)
+    model = fsdp_resnet.shard(common.fashion_resnet18(1), device, world_size, amp=False)   # other weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fsdp_resnet.load_checkpoint(checkpoint, model, optimizer)
+    state = fsdp_resnet.full_state_dict(model)
+    if rank == 0:
+        torch.save(state, out)
+    torch.distributed.destroy_process_group()
+
+
 def threads_left(script, argv):
     """Run one rank of `script` in this process; print the names of its threads just before it
     destroys the process group, and after the script has returned."""
@@ -751,5 +819,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["ring-check"]:
     ring_check()
 if __name__ == "__main__" and sys.argv[1:] == ["overlap-order"]:
     overlap_order()
+if __name__ == "__main__" and sys.argv[1:2] == ["fsdp-load"]:
+    fsdp_load(*sys.argv[2:])
 if __name__ == "__main__" and sys.argv[1:2] == ["threads-left"]:
     threads_left(sys.argv[2], sys.argv[3:])
