@@ -738,6 +738,96 @@ def test_simulated_cluster_without_root_says_why_in_one_line(monkeypatch, capsys
     assert exit_info.value.code == reason   # printed to stderr, exit status 1
 
 
+# ---------------------------------------------------------------- preemption, and a real SLURM
+sys.path.insert(0, os.path.join(HERE, "examples"))
+import local_slurm
+NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (.ci/run installs them)
+PREEMPTIBLE = ["--epochs", "2", "--train-samples", "96", "--batch-size", "16", "--test-samples", "50",
+               "--data-dir", DATA, "--checkpoint-every", "2"]   # 6 steps an epoch
+
+
+@pytest.fixture(scope="module")
+def resnet_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(out)] + PREEMPTIBLE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_model(out)
+
+
+def wait_for(condition, seconds, what):
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.2)
+
+
+def read(path):
+    return path.read_text() if path.exists() else ""
+
+
+@pytest.mark.parametrize("signalled", ["rank 1 alone", "every rank"])
+def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_same(signalled, resnet_uninterrupted, tmp_path):
+    """The handler only notes the signal; the ranks agree at the next step boundary (so a rank
+    signalled alone does not leave the other waiting), rank 0 saves, all exit with status 75."""
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                "ddp_resnet.py", "--out", str(tmp_path)] + PREEMPTIBLE, cwd=HERE, stdout=f,
+                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+        workers = sorted(children_of(job.pid))
+        assert len(workers) == 2, workers
+        for pid in workers[1:] if signalled == "rank 1 alone" else workers:
+            os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=120)
+    text = read(log)
+    assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
+    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert 2 <= stopped_at < 6   # inside the first epoch
+    resumed = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--resume", "--out",
+                   str(tmp_path)] + PREEMPTIBLE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"epoch 1 at batch {stopped_at}/6, step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert [e["samples"] for e in metrics["epochs"]] == [96, 96]   # the interrupted epoch counted once
+
+
+@pytest.mark.skipif(NO_SLURM is not None, reason=str(NO_SLURM))
+@pytest.mark.parametrize("stop", ["signal ahead of the time limit", "scontrol requeue"])
+def test_slurm_job_stopped_requeues_once_resumes_and_ends_with_uninterrupted_weights(stop, resnet_uninterrupted, tmp_path):
+    """examples/slurm_ddp_resnet.sbatch as submitted on a cluster: two nodes (two slurmd on this
+    host), one torchrun each, c10d rendezvous on the first."""
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    with local_slurm.LocalSlurm() as slurm:
+        submitted = slurm.run("sbatch", f"--output={log}", f"--export=ALL,PYTHON={sys.executable},OUT={out},"
+                              f"RDZV_PORT={common.free_port()},OMP_NUM_THREADS=1,PYTHONUNBUFFERED=1",
+                              "examples/slurm_ddp_resnet.sbatch", *PREEMPTIBLE, cwd=HERE)
+        job = submitted.stdout.split()[-1]
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, f"the first checkpoint:\n{read(log)[-3000:]}")
+        if stop == "scontrol requeue":   # what preemption with requeue does: SIGTERM to every process
+            slurm.run("scontrol", "requeue", job)
+        else:                            # what --signal=B:USR1@90 sends 90 s before the time limit
+            slurm.run("scancel", "--batch", "--signal=USR1", job)
+        wait_for(lambda: slurm.job(job)["JobState"] == "PENDING", 120, "the requeue")
+        # SLURM would start it again after about 90 s; here at once, once the first run is gone
+        # and a second has passed: slurmd refuses a job whose credential was revoked (by the
+        # requeue) in the second the new one is made ("Job credential revoked").
+        wait_for(slurm.idle, 120, "the first run's end")
+        time.sleep(2)
+        slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+        wait_for(lambda: slurm.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+                 300, "the restarted job")
+        info = slurm.job(job)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-3000:])
+    signal_name = "SIGTERM" if stop == "scontrol requeue" else "SIGUSR1"
+    assert f"stopped by {signal_name} at step" in text, text[-3000:]
+    assert text.count("requeueing job") == (1 if signal_name == "SIGUSR1" else 0)   # SLURM requeues on its own
+    assert f"restart 1 of job {job}" in text and "resumed from" in text
+    assert_same_weights(load_model(out), resnet_uninterrupted, tol=1e-6)
+
+
 def ring_check():
     """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
     import torch.distributed as dist

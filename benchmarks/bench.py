@@ -22,7 +22,7 @@ def ours(command, batch, warmup, steps):
     uncounted run fills torch.compile's cache, so both counted runs compile equally fast."""
     seconds = []
     for max_steps in ([warmup] if "--compile" in command else []) + [warmup, warmup + steps]:
-        out = os.path.join(OUT, "tmp")
+        out = os.path.join(OUT, next(os.path.basename(c)[:-3] for c in command if c.endswith(".py")))
         subprocess.run(command + ["--batch-size", str(batch), "--max-steps", str(max_steps), "--epochs", "1",
                                   "--test-samples", "100", "--data-dir", DATA, "--out", out],
                        cwd=ROOT, check=True, capture_output=True, env=ENV)
@@ -82,6 +82,8 @@ def main():
          lambda: ours(PY + ["ddp_resnet.py"], **resnet)),
         ("ResNet18", f"DDP, {n} ranks", f"{n} x {kind}", backend, f"{n} x 1",
          lambda: ours(TORCHRUN + [f"--nproc_per_node={n}", "ddp_resnet.py"], **resnet)),
+        ("ResNet18", f"FSDP2, {n} ranks", f"{n} x {kind}", backend, f"{n} x 1",
+         lambda: ours(TORCHRUN + [f"--nproc_per_node={n}", "fsdp_resnet.py"], **resnet)),
         ("ResNet18", f"DataParallel, {max(gpus, 1)} device(s)", f"{max(gpus, 1)} x {kind}", "DataParallel",
          f"1 x {cores}", lambda: ours(PY + ["dp_resnet.py"], **resnet)),
     ]
@@ -111,6 +113,10 @@ def main():
         original_rate = statistics.median(rates["d2l original (DataLoader, 2 workers)"])
         for approach in (f"scratch, {n} replicas in one process", f"scratch, {n} replicas, --compile"):
             print(f"{approach} / d2l original: {statistics.median(rates[approach]) / original_rate:.2f}x")
+    held = json.load(open(os.path.join(OUT, "fsdp_resnet", "metrics.json")))["bytes_per_rank"]
+    model_bytes = sum(h["params"] for h in held)   # the shards of all ranks: the model once
+    print(f"per rank, parameters + gradients + momentum: DDP {3 * model_bytes / 1e6:.0f} MB (the whole "
+          f"model, three times), FSDP2 {sum(held[0].values()) / 1e6:.0f} MB (rank 0's shards, 1/{n})")
     json.dump({"machine": machine(), "rows": rows, "runs": rates}, open(os.path.join(OUT, "bench.json"), "w"), indent=1)
 
     import matplotlib

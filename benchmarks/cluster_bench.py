@@ -73,9 +73,13 @@ def main():
         row("comm alone: ring allreduce of the gradients", r["comm"], comm_model)
         row("scratch: ring after backward", r["after_backward"], r["compute"] + r["comm"])
         row(f"scratch --overlap ({len(r['buckets'])} buckets; model = its floor)", r["overlap"], floor)
-        row("DDP, same LeNet and bucket size", r["ddp"], floor)
-        for name in ("after_backward", "overlap", "ddp"):
+        row("DDP, same LeNet and bucket size: compute alone (no_sync)", r["ddp_compute"], None)
+        row("DDP: comm alone (gloo allreduce of the gradients)", r["ddp_comm"], comm_model)
+        row("DDP: step (model = its floor)", r["ddp"],
+            r["forward"] + max(r["ddp_compute"] - r["forward"], r["ddp_comm"]) + ring_model(r["buckets"][-1], 2, rate, r["alpha"]))
+        for name in ("after_backward", "overlap"):
             r[f"hidden_{name}"] = (r["compute"] + r["comm"] - r[name]) / r["comm"]
+        r["hidden_ddp"] = (r["ddp_compute"] + r["ddp_comm"] - r["ddp"]) / r["ddp_comm"]   # against its own parts
         print(f"  communication hidden: ring after backward {r['hidden_after_backward']:.0%}, "
               f"--overlap {r['hidden_overlap']:.0%}, DDP {r['hidden_ddp']:.0%}", flush=True)
 

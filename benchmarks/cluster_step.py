@@ -76,6 +76,12 @@ def lenet(args, rank, world_size, results):
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(X), y, reduction="sum").backward()
             optimizer.step()
+        def ddp_compute():
+            with model.no_sync():   # the same step without any communication
+                ddp_step()
+        results["ddp_compute"] = timed(ddp_compute, args)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        results["ddp_comm"] = timed(lambda: dist.all_reduce(flat), args)
         results["ddp"] = timed(ddp_step, args)
     results["bytes"] = sum(4 * p.numel() for p in params)
 
