@@ -38,6 +38,9 @@ def load_checkpoint(path, net, optimizer, device, drawn_from):
                              + (f" (it was written for {state['arch']})" if isinstance(state, dict) and "arch" in state else ""))
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state.keys()
+        if missing:
+            raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
     except Exception as e:   # a foreign pickle can raise anything; say which file and why
         reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
         raise SystemExit(f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}")

@@ -97,11 +97,15 @@ class SimulatedCluster:
                              f"{self.rate_mbit}mbit", "burst", "16kb", "latency", "100ms"])
 
     def _delete(self):
-        for p in self.processes:   # what we started: each in a process group of its own, with its
-            if p.poll() is None:   # children (torchrun's workers), found by that group's id
+        # Every process inside a node, whoever started it (torchrun starts its workers in sessions
+        # of their own, so a process group would miss them): `ip netns pids` lists them.
+        for name in self.names:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in map(int, pids):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                    os.kill(pid, signal.SIGKILL)
+        for p in self.processes:
+            p.wait()
         for name in self.names + [self.switch]:   # deleting a node also removes its cable
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
@@ -115,9 +119,9 @@ class SimulatedCluster:
                               capture_output=True, text=True, **kwargs)
 
     def popen(self, node, command, **kwargs):
-        """Start a command inside node `node`; it is stopped when the cluster is deleted."""
+        """Start a command inside node `node`; it and its children are stopped when the cluster is deleted."""
         kwargs.setdefault("env", self.env())
-        process = subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], start_new_session=True, **kwargs)
+        process = subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], **kwargs)
         self.processes.append(process)
         return process
 

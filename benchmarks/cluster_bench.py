@@ -59,8 +59,8 @@ def main():
         sys.exit(f"{problem}; the cluster benchmark needs it")
     os.makedirs(OUT, exist_ok=True)
     results = {"lenet": {}, "layouts": {}, "resnet": {}}
-    print(f"cluster benchmark on {os.cpu_count()} cores; each node's link shaped by tbf; times per step "
-          f"(median of 3 means of 10 steps)", flush=True)
+    print(f"cluster benchmark on {os.cpu_count()} cores; each node's link shaped by tbf; times per step: "
+          f"median of 7 means of 10 steps (ResNet: 5 of 2), the variants taking turns", flush=True)
 
     # --- LeNet, 2 nodes x 1 process: the ring after backward, with --overlap, and DDP (same buckets)
     for rate in LENET_RATES:
@@ -100,7 +100,7 @@ def main():
     # --- DDP on ResNet-18: default buckets (overlap) against one bucket (after backward)
     for rate in RESNET_RATES:
         r = results["resnet"][rate] = measure(2, 1, rate, ["--model", "resnet", "--batch-size", "64",
-                                                           "--warmup", "2", "--steps", "3", "--repeats", "3"])
+                                                           "--warmup", "2", "--steps", "2", "--repeats", "5"])
         comm_model = ring_model(r["bytes"], 2, rate, r["alpha"])
         header(f"ResNet-18 ({r['bytes'] / 1e6:.1f} MB of gradients), DDP, 2 nodes x 1 process, 32 images per rank, {rate} Mbit/s")
         row("compute alone (no_sync)", r["compute"], None)

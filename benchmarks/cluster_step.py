@@ -2,7 +2,7 @@
 
 Run under torchrun in every node of a simulated cluster (cluster_bench.py does that). Rank 0
 prints one JSON line: seconds per step (the median of --repeats means of --steps steps, after
---warmup steps) for each variant:
+--warmup steps; the variants take turns) for each variant:
 
   lenet:  compute (this process's replicas, summed in memory, no network), comm (the ring
           allreduce of the gradients alone), forward, after_backward (scratch_lenet's step: the ring
@@ -24,18 +24,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common, scratch_lenet
 
 
-def timed(step, args):
-    """Median over repeats of the mean seconds per step; every rank starts each repeat together."""
-    for _ in range(args.warmup):
-        step()
-    means = []
-    for _ in range(args.repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
+def timed(variants, args):
+    """Seconds per step of each variant: the median of --repeats means of --steps steps. The
+    variants take turns, repeat after repeat, so a slow minute of a shared machine hits them all
+    alike; every rank starts each turn together."""
+    for step in variants.values():
+        for _ in range(args.warmup):
             step()
-        means.append((time.perf_counter() - start) / args.steps)
-    return statistics.median(means)
+    means = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, step in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            means[name].append((time.perf_counter() - start) / args.steps)
+    return {name: statistics.median(m) for name, m in means.items()}
 
 
 class LeNet(nn.Module):   # scratch_lenet's parameters in a module, for DDP
@@ -57,19 +61,17 @@ def lenet(args, rank, world_size, results):
         return W, [[torch.zeros_like(p) for p in R] for R in W]
 
     W, V = replicas()
-    step = lambda **kw: scratch_lenet.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
-    results["compute"] = timed(lambda: step(rank=0, world_size=1), args)
-    results["forward"] = timed(lambda: list(scratch_lenet.REPLICA_THREADS.map(
-        scratch_lenet.lenet, X.tensor_split(len(devices)), W)), args)
-    results["comm"] = timed(lambda: scratch_lenet.ring_allreduce([p.grad for p in W[0]], rank, world_size), args)
-    results["alpha"] = timed(lambda: scratch_lenet.ring_allreduce([torch.zeros(1)], rank, world_size), args) \
-        / max(1, 2 * (world_size - 1))
-    results["after_backward"] = timed(lambda: step(rank=rank, world_size=world_size), args)
-    W, V = replicas()   # fresh replicas: the overlap's hooks stay on the ones they were put on
-    overlap = scratch_lenet.OverlappedAllreduce(W, rank, world_size, args.bucket_kb * 1024)
-    results["overlap"] = timed(lambda: step(rank=rank, world_size=world_size, overlap=overlap), args)
-    results["buckets"] = [sum(4 * W[0][i].numel() for i in bucket) for bucket in overlap.buckets]
-    if args.devices == 1:
+    W2, V2 = replicas()   # the overlap's own: its hooks stay on the replicas they were put on
+    overlap = scratch_lenet.OverlappedAllreduce(W2, rank, world_size, args.bucket_kb * 1024)
+    step = lambda W, V, **kw: scratch_lenet.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
+    variants = {
+        "compute": lambda: step(W, V, rank=0, world_size=1),   # summed in memory, no network
+        "forward": lambda: list(scratch_lenet.REPLICA_THREADS.map(scratch_lenet.lenet, X.tensor_split(len(devices)), W)),
+        "comm": lambda: scratch_lenet.ring_allreduce([p.grad for p in W[0]], rank, world_size),
+        "after_backward": lambda: step(W, V, rank=rank, world_size=world_size),
+        "overlap": lambda: step(W2, V2, rank=rank, world_size=world_size, overlap=overlap),
+    }
+    if args.devices == 1:   # DDP drives one device per process
         model = DDP(LeNet(params).to(memory_format=torch.channels_last), bucket_cap_mb=args.bucket_kb / 1024)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         def ddp_step():
@@ -79,10 +81,12 @@ def lenet(args, rank, world_size, results):
         def ddp_compute():
             with model.no_sync():   # the same step without any communication
                 ddp_step()
-        results["ddp_compute"] = timed(ddp_compute, args)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        results["ddp_comm"] = timed(lambda: dist.all_reduce(flat), args)
-        results["ddp"] = timed(ddp_step, args)
+        variants.update(ddp=ddp_step, ddp_compute=ddp_compute, ddp_comm=lambda: dist.all_reduce(flat))
+    results.update(timed(variants, args))
+    tiny = timed({"alpha": lambda: scratch_lenet.ring_allreduce([torch.zeros(1)], rank, world_size)}, args)
+    results["alpha"] = tiny["alpha"] / max(1, 2 * (world_size - 1))
+    results["buckets"] = [sum(4 * W2[0][i].numel() for i in bucket) for bucket in overlap.buckets]
     results["bytes"] = sum(4 * p.numel() for p in params)
 
 
@@ -93,20 +97,21 @@ def resnet(args, rank, world_size, results):
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(X), y).backward()
         optimizer.step()
-    for name, cap_mb in (("ddp", None), ("ddp_one_bucket", 1024)):
+    models = {}
+    for name, cap_mb in (("ddp", None), ("ddp_one_bucket", 1024)):   # 1 GB: one bucket for all
         net = common.fashion_resnet18(0)
-        model = DDP(net) if cap_mb is None else DDP(net, bucket_cap_mb=cap_mb)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        if name == "ddp":
-            def compute():
-                with model.no_sync():   # the same step without any communication
-                    ddp_step(model, optimizer)
-            results["compute"] = timed(compute, args)
-            flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-            results["comm"] = timed(lambda: dist.all_reduce(flat), args)
-            results["alpha"] = timed(lambda: dist.all_reduce(torch.zeros(1)), args) / max(1, 2 * (world_size - 1))
-            results["bytes"] = 4 * flat.numel()
-        results[name] = timed(lambda: ddp_step(model, optimizer), args)
+        models[name] = (DDP(net) if cap_mb is None else DDP(net, bucket_cap_mb=cap_mb),
+                        torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+    model, optimizer = models["ddp"]
+    def compute():
+        with model.no_sync():   # the same step without any communication
+            ddp_step(model, optimizer)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    results.update(timed({"compute": compute, "comm": lambda: dist.all_reduce(flat),
+                          "ddp": lambda: ddp_step(*models["ddp"]),
+                          "ddp_one_bucket": lambda: ddp_step(*models["ddp_one_bucket"])}, args))
+    results["alpha"] = timed({"a": lambda: dist.all_reduce(torch.zeros(1))}, args)["a"] / max(1, 2 * (world_size - 1))
+    results["bytes"] = 4 * flat.numel()
 
 
 def main():
@@ -117,7 +122,7 @@ def main():
     p.add_argument("--bucket-kb", type=float, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     rank, world_size, _ = common.init_distributed(120)
     results = {"world_size": world_size}
