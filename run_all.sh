@@ -51,9 +51,12 @@ smoke() {   # name, then the command
 resnet="--batch-size 32 --max-steps 4 --train-samples 256 --test-samples 500"
 smoke scratch_lenet "$PY" scratch_lenet.py $small
 smoke scratch_lenet_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py $small
+smoke scratch_lenet_overlap "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py --devices 2 --overlap $small
+smoke scratch_lenet_zero "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py --zero $small
 smoke ddp_toy "$PY" ddp_toy.py $small
 smoke ddp_toy_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_toy.py $small
 smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet
+smoke fsdp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_resnet.py $small $resnet
 smoke dp_resnet "$PY" dp_resnet.py $small $resnet
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys

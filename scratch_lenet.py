@@ -8,6 +8,10 @@ and the step equals the one a single device takes on the whole batch.
     python scratch_lenet.py                       # N replicas in one process: every GPU, else 2 on CPU
     torchrun --nproc_per_node=2 scratch_lenet.py  # one replica per process; a ring allreduce over
                                                   # point-to-point send/recv, still by hand
+    torchrun --nproc_per_node=2 scratch_lenet.py --devices 2   # hierarchical: 2 replicas per
+                                                  # process sum in memory, then one ring between processes
+    ... --overlap                                 # send gradients while backward still runs
+    ... --zero                                    # each process updates 1/W of the parameters (ZeRO)
 """
 import argparse, math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor

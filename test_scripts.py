@@ -3,7 +3,7 @@
 They run the README's commands as written, with small sizes through flags, and compare weights,
 accuracies and messages. `python test_scripts.py ring-check` is a helper the tests start under
 torchrun."""
-import json, os, shutil, signal, subprocess, sys, threading, time
+import json, os, re, shutil, signal, subprocess, sys, threading, time
 import pytest
 import torch
 import common
@@ -487,6 +487,19 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     assert f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters" in fsdp.stdout
 
 
+def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):
+    """--amp: FSDP's mixed precision (bf16 compute, fp32 gradient reduction): not the fp32 step,
+    but the same direction."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--amp", "--out", str(tmp_path)] +
+                 RESNET + ["--max-steps", "1"], env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    start, reference, got = common.fashion_resnet18(0).state_dict(), resnet_reference(2, steps=1), load_model(tmp_path)
+    names = [name for name, _ in common.fashion_resnet18(0).named_parameters()]
+    step_fp32 = torch.cat([(reference[n] - start[n]).flatten() for n in names])
+    step_amp = torch.cat([(got[n].float() - start[n]).flatten() for n in names])
+    assert F.cosine_similarity(step_fp32, step_amp, dim=0) > 0.9
+
+
 def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     """Each rank writes its own shard; 1 or 3 ranks read them back into their own shards (DCP
     reshards), and the whole model they then hold is the one the 2 ranks saved."""
@@ -531,27 +544,20 @@ def children_of(pid):
     return found
 
 
-def test_killed_worker_restarts_and_ends_with_uninterrupted_weights(tmp_path):
-    flags = ["ddp_resnet.py", "--epochs", "3", "--train-samples", "96", "--batch-size", "16",
-             "--test-samples", "50", "--data-dir", DATA, "--resume"]
-    clean = run(["torchrun", "--standalone", "--nproc_per_node=2"] + flags + ["--out", str(tmp_path / "clean")])
-    assert clean.returncode == 0, clean.stderr[-3000:]
-
-    out = tmp_path / "killed"
+def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(resnet_uninterrupted, tmp_path):
+    """SIGKILL (no handler can run) mid-epoch under torchrun --max-restarts=1: the workers restart
+    from the last --checkpoint-every checkpoint, inside the epoch, recomputing fewer than K steps."""
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "--max-restarts=1"] + flags + ["--out", str(out)], cwd=HERE, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            "--max-restarts=1", "ddp_resnet.py", "--resume", "--out", str(tmp_path)] + PREEMPTIBLE,
+                           cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     watchdog = threading.Timer(240, job.kill)   # a hung job fails the test instead of CI
     watchdog.start()
     lines = []
-    for line in job.stdout:   # epoch 1 ends and its checkpoint is written; kill during epoch 2
+    for line in job.stdout:   # --checkpoint-every 2: steps 2 and 4 are checkpointed inside epoch 1
         lines.append(line)
-        if line.startswith("epoch   1"):
+        if line.startswith("  checkpoint: step 4 "):
             break
-    deadline = time.time() + 60
-    while not (out / "checkpoint.pt").exists() and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)
     workers = children_of(job.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
@@ -559,10 +565,52 @@ def test_killed_worker_restarts_and_ends_with_uninterrupted_weights(tmp_path):
     assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
     watchdog.cancel()
     log = "".join(lines)
-    assert "resumed from" in log and "epoch 1 done" in log, log[-3000:]
-    assert not any(line.startswith("epoch   3") for line in lines[:lines.index(next(l for l in lines if "resumed" in l))])
-    assert_same_weights(load_model(out), load_model(tmp_path / "clean"), tol=1e-6)
-    assert [e["epoch"] for e in json.load(open(out / "metrics.json"))["epochs"]] == [1, 2, 3]
+    assert "resumed from" in log and "epoch 1 at batch 4/6, step 4" in log, log[-3000:]   # 4 = the last checkpoint
+    assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
+    assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 96]
+
+
+def test_checkpoint_every_must_be_positive(capsys):
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit) as exit_info:
+            ddp_resnet.parse_args(["--checkpoint-every", value])
+        assert exit_info.value.code == 2
+        assert f"argument --checkpoint-every: must be positive, got {value}" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
+    """A checkpoint written at step 2 of 6 in epoch 1 by 2 ranks (global batch 16, seed 0, 96 samples)."""
+    out = tmp_path_factory.mktemp("mid_epoch")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "3",
+                  "--out", str(out)] + PREEMPTIBLE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoint: step 2 (epoch 1, batch 2/6)" in result.stdout
+    return out / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("flags, differs", [(["--batch-size", "32"], "global batch 16 there, 32 here"),
+                                            (["--seed", "1"], "seed 0 there, 1 here"),
+                                            (["--train-samples", "128"], "training samples 96 there, 128 here")])
+def test_mid_epoch_checkpoint_of_other_batches_is_refused(flags, differs, mid_epoch_checkpoint_of_2_ranks, tmp_path):
+    result = run(["python", "ddp_resnet.py", "--resume", "--checkpoint", str(mid_epoch_checkpoint_of_2_ranks),
+                  "--out", str(tmp_path)] + PREEMPTIBLE + flags)
+    assert result.returncode != 0
+    assert "it stopped inside epoch 1, and this run draws other batches" in result.stderr
+    assert differs in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
+    """Same global batch, same batches: 1 process with 2 micro-batches (the per-rank BatchNorm of
+    2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    shutil.copy(mid_epoch_checkpoint_of_2_ranks, checkpoint)
+    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE,
+                 env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "epoch 1 at batch 2/6, step 2" in result.stdout
+    got, params = load_model(tmp_path), dict(common.fashion_resnet18(0).named_parameters())
+    assert_same_weights({k: got[k] for k in params}, {k: resnet_uninterrupted[k] for k in params})
 
 
 def test_partner_that_never_comes_gives_an_error_not_a_hang():
@@ -700,9 +748,11 @@ def test_simulated_cluster_is_deleted_after_an_error():
 
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
 def test_simulated_cluster_killed_with_sigterm_deletes_its_nodes_and_their_processes(tmp_path):
-    """A command whose node runs a process that starts a child (as torchrun starts workers)."""
+    """A command whose node runs a process that starts a child in a session of its own, as
+    torchrun starts its workers."""
     child_pid = tmp_path / "child.pid"
-    script = f"import subprocess, time; p = subprocess.Popen(['sleep', '600']); open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+              f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
     job = subprocess.Popen([sys.executable, "simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -826,6 +876,44 @@ def test_slurm_job_stopped_requeues_once_resumes_and_ends_with_uninterrupted_wei
     assert text.count("requeueing job") == (1 if signal_name == "SIGUSR1" else 0)   # SLURM requeues on its own
     assert f"restart 1 of job {job}" in text and "resumed from" in text
     assert_same_weights(load_model(out), resnet_uninterrupted, tol=1e-6)
+
+
+# ---------------------------------------------------------------- the README says what is true
+def readme_commands():
+    """(script, arguments, launched by torchrun) for every command in README.md's code blocks."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    blocks = text.split("```")[1::2]
+    for line in (l.split(" #")[0].strip() for block in blocks for l in block.splitlines()[1:]):
+        words = line.split()
+        scripts = [i for i, w in enumerate(words) if w.endswith((".py", ".sbatch", ".sh"))]
+        if scripts:
+            i = scripts[-1]   # the script torchrun, sbatch or simulated_cluster.py runs
+            yield words[i], words[i + 1:], "torchrun" in words[:i]
+
+
+def test_readme_cites_only_tests_that_exist():
+    cited = set(re.findall(r"`(test_\w+)`", open(os.path.join(HERE, "README.md")).read()))
+    defined = set(re.findall(r"^def (test_\w+)", open(__file__).read(), re.M))
+    assert cited and cited <= defined, cited - defined
+
+
+def test_readme_commands_name_files_and_flags_that_exist(monkeypatch, capsys):
+    commands = list(readme_commands())
+    assert len(commands) >= 10
+    for script, argv, torchrun in commands:
+        assert os.path.isfile(os.path.join(HERE, script)), script
+        module = "ddp_resnet" if script.endswith(".sbatch") else os.path.splitext(script)[0]   # it runs ddp_resnet.py
+        if module not in ("scratch_lenet", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet"):
+            continue
+        if torchrun or script.endswith(".sbatch"):   # how a script sees torchrun: flags valid only there
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        else:
+            monkeypatch.delenv("RANK", raising=False)
+        try:
+            __import__(module).parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README: {script} {' '.join(argv)}: {capsys.readouterr().err}")
 
 
 def ring_check():

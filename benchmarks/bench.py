@@ -87,7 +87,7 @@ def main():
         ("ResNet18", f"DataParallel, {max(gpus, 1)} device(s)", f"{max(gpus, 1)} x {kind}", "DataParallel",
          f"1 x {cores}", lambda: ours(PY + ["dp_resnet.py"], **resnet)),
     ]
-    if not gpus:   # the d2l originals, as published, for the CPU comparison the issues quote
+    if not gpus:   # the d2l originals, as published, for the CPU comparison
         approaches.insert(4, ("LeNet", "d2l original (DataLoader, 2 workers)", "2 x CPU", "-", f"1 x {cores}",
                               lambda: original("original_lenet.py", torchvision_root=tv_root, **lenet)))
         approaches.append(("ResNet18", "d2l original (DataParallel, DataLoader)", "1 x CPU", "DataParallel",
@@ -109,7 +109,7 @@ def main():
     for model, approach, devices, backend, layout, rate in rows:
         runs = "/".join(f"{r:,.0f}" for r in rates[approach])
         print(f"{model:9}{approach:42}{devices:11}{backend:14}{layout:17}{rate:10,.0f}{rate / base[model]:7.2f}  {runs}")
-    if not gpus:   # what issue #2 measures: our LeNet step against the original's, per sample
+    if not gpus:   # our LeNet step against the original's, per sample
         original_rate = statistics.median(rates["d2l original (DataLoader, 2 workers)"])
         for approach in (f"scratch, {n} replicas in one process", f"scratch, {n} replicas, --compile"):
             print(f"{approach} / d2l original: {statistics.median(rates[approach]) / original_rate:.2f}x")
