@@ -113,27 +113,36 @@ def main():
               f"default buckets {r['hidden_ddp']:.0%}", flush=True)
 
     json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
+    plot(results, [label for label, *_ in layouts], os.path.join(OUT, "step_time.png"))
+    print(f"\nwrote {os.path.relpath(OUT, ROOT)}/results.json and step_time.png", flush=True)
+
+
+def plot(results, layouts, path):
+    """Step time against link rate, one line per approach (JSON keys are strings once reloaded)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    at = lambda table, rate: table.get(rate, table.get(str(rate)))
     fig, (ax_lenet, ax_layout, ax_resnet) = plt.subplots(1, 3, figsize=(14, 4))
     for name, label in (("after_backward", "scratch, ring after backward"), ("overlap", "scratch --overlap"),
                         ("ddp", "DDP"), ("compute", "compute alone")):
-        ax_lenet.plot(LENET_RATES, [results["lenet"][r][name] * 1000 for r in LENET_RATES], "o-", label=label)
-    for label, *_ in layouts:
-        ax_layout.plot(LENET_RATES, [results["layouts"][label][r]["after_backward"] * 1000 for r in LENET_RATES],
+        ax_lenet.plot(LENET_RATES, [at(results["lenet"], r)[name] * 1000 for r in LENET_RATES], "o-", label=label)
+    for label in layouts:
+        ax_layout.plot(LENET_RATES, [at(results["layouts"][label], r)["after_backward"] * 1000 for r in LENET_RATES],
                        "o-", label=label)
     for name, label in (("ddp_one_bucket", "DDP, one bucket"), ("ddp", "DDP, default buckets"),
                         ("compute", "compute alone")):
-        ax_resnet.plot(RESNET_RATES, [results["resnet"][r][name] * 1000 for r in RESNET_RATES], "o-", label=label)
-    for ax, title in ((ax_lenet, "LeNet, 2 nodes x 1 process"), (ax_layout, "LeNet, 4 replicas"),
-                      (ax_resnet, "ResNet-18, DDP, 2 nodes")):
+        ax_resnet.plot(RESNET_RATES, [at(results["resnet"], r)[name] * 1000 for r in RESNET_RATES], "o-", label=label)
+    for ax, title, rates in ((ax_lenet, "LeNet, 2 nodes x 1 process", LENET_RATES),
+                             (ax_layout, "LeNet, 4 replicas", LENET_RATES),
+                             (ax_resnet, "ResNet-18, DDP, 2 nodes", RESNET_RATES)):
         ax.set(xscale="log", xlabel="link rate per node (Mbit/s)", ylabel="ms per step", title=title)
+        ax.set_xticks(rates, [str(r) for r in rates])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(OUT, "step_time.png"), dpi=100)
-    print(f"\nwrote {os.path.relpath(OUT, ROOT)}/results.json and step_time.png", flush=True)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
