@@ -81,6 +81,10 @@ def shard(net, device, world_size, amp):
     mesh = init_device_mesh(device.type, (world_size,))
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp
                  else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
+    if amp:   # BatchNorm stays fp32 (its running statistics are; CPU kernels refuse a mix), bf16 out
+        for norm in [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]:
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16))
     for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
         fully_shard(stage, mesh=mesh, mp_policy=precision)
     return fully_shard(net, mesh=mesh, mp_policy=precision)
