@@ -3,9 +3,15 @@ to test it) without a cluster. Needs root and Debian's `slurm-wlm` and `munge` p
 
     sudo python examples/local_slurm.py       # prints the SLURM_CONF to export; Ctrl-C stops it
 
-Both nodes are this host (address 127.0.0.1), each with its own slurmd; slurmctld, the state
-and the logs live in a temp folder. munged is started if it is not running, with a key made
-for it if /etc/munge/munge.key is missing. What was started is stopped on exit, by its pid.
+Both nodes are this host, each with its own slurmd; slurmctld, the state and the logs live in a
+temp folder. munged is started if it is not running, with a key made for it if
+/etc/munge/munge.key is missing. What was started is stopped on exit, by its pid.
+
+From Python, `LocalSlurm(cluster=SimulatedCluster(2))` puts each node's slurmd (and slurmctld,
+on the first) in a node of a simulated cluster: each node then has its own address while the
+hostname still resolves to a loopback address, as on many real clusters. `gpus_per_node` makes
+SLURM hand out GPUs by count (no devices behind them): what a job that asks for GPUs and sees
+none does.
 """
 import contextlib, os, pwd, shutil, signal, socket, subprocess, sys, tempfile, time
 
@@ -31,9 +37,10 @@ def _free_port():
 class LocalSlurm:
     """`with LocalSlurm() as slurm:` ... `slurm.run("sbatch", ...)`; `slurm.env` has SLURM_CONF."""
 
-    def __init__(self, nodes=2, cpus_per_node=2):
+    def __init__(self, nodes=2, cpus_per_node=2, cluster=None, gpus_per_node=0):
         self.nodes = [f"node{i + 1}" for i in range(nodes)]
-        self.cpus = cpus_per_node
+        self.cpus, self.cluster, self.gpus = cpus_per_node, cluster, gpus_per_node
+        self.addresses = cluster.addresses if cluster else ["127.0.0.1"] * nodes
         self.daemons, self.munged_pid = [], None
 
     def __enter__(self):
@@ -62,12 +69,18 @@ class LocalSlurm:
         self._munge()
         host = socket.gethostname()
         os.makedirs(os.path.join(self.dir, "state"))
-        nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
-                          f"CPUs={self.cpus} RealMemory=4000" for n in self.nodes)
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        nodes = "\n".join(f"NodeName={n} NodeHostname={host} NodeAddr={addr} Port={_free_port()} "
+                          f"CPUs={self.cpus} RealMemory=4000{gres}" for n, addr in zip(self.nodes, self.addresses))
+        if self.gpus:   # stand-ins for /dev/nvidia*: SLURM counts GPUs by their device files
+            for i in range(self.gpus):
+                open(os.path.join(self.dir, f"gpu{i}"), "w").close()
+            with open(os.path.join(self.dir, "gres.conf"), "w") as f:
+                f.write(f"AutoDetect=off\nName=gpu File={self.dir}/gpu[0-{self.gpus - 1}]\n")
         self.conf = os.path.join(self.dir, "slurm.conf")
         with open(self.conf, "w") as f:
             f.write(f"""ClusterName=local
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self.addresses[0]})
 SlurmctldPort={_free_port()}
 SlurmUser=root
 AuthType=auth/munge
@@ -85,14 +98,15 @@ ReturnToService=2
 MpiDefault=none
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
+{"GresTypes=gpu" if self.gpus else ""}
 {nodes}
 PartitionName=local Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
         self.env = {**os.environ, "SLURM_CONF": self.conf}
         quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
-        self.daemons.append(subprocess.Popen(["slurmctld", "-D", "-f", self.conf], **quiet))
-        for node in self.nodes:
-            self.daemons.append(subprocess.Popen(["slurmd", "-D", "-f", self.conf, "-N", node], **quiet))
+        self.daemons.append(subprocess.Popen(self._on(0, "slurmctld", "-D", "-f", self.conf), **quiet))
+        for i, node in enumerate(self.nodes):
+            self.daemons.append(subprocess.Popen(self._on(i, "slurmd", "-D", "-f", self.conf, "-N", node), **quiet))
         deadline = time.time() + 60
         while time.time() < deadline:
             if self.idle():
@@ -120,8 +134,14 @@ PartitionName=local Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         with open("/run/munge/munged.pid") as f:
             self.munged_pid = int(f.read())
 
+    def _on(self, node, *command):
+        """The command as run on `node` (in its network namespace, in a simulated cluster)."""
+        # nsenter, not `ip netns exec`: that remounts /sys, without the cgroup folder slurmd needs
+        return ["nsenter", f"--net=/run/netns/{self.cluster.names[node]}", *command] if self.cluster else list(command)
+
     def run(self, *command, check=True, cwd=None):
-        return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check, cwd=cwd)
+        """A SLURM command (sbatch, scontrol, ...) as typed on the first node."""
+        return subprocess.run(self._on(0, *command), env=self.env, capture_output=True, text=True, check=check, cwd=cwd)
 
     def idle(self):
         """Whether every node is up and runs nothing (a job's last processes are gone)."""
