@@ -2,7 +2,7 @@
 memory, evaluation, a timer, the common command line and the output files.
 
 `python common.py --data-dir DIR` only prepares the data (run_all.sh uses it)."""
-import argparse, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, socket, struct, sys, time
+import argparse, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, time
 import torch
 import torch.distributed as dist
 # Imported before any process group exists, on purpose: torch.distributed.nn binds group.WORLD
@@ -15,9 +15,6 @@ import torch.multiprocessing as mp
 from torch.distributed.rendezvous import rendezvous
 
 # ---------------------------------------------------------------- devices, backend, processes
-def try_gpu(i=0):
-    return torch.device(f"cuda:{i}") if torch.cuda.device_count() > i else torch.device("cpu")
-
 def try_all_gpus():
     return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
 
@@ -68,10 +65,13 @@ def default_to_one_process():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
-def init_distributed(timeout_s, gpus_per_process=1):
+def init_distributed(rendezvous_timeout_s, gpus_per_process=1):
     """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (torchrun or
     spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK: on GPUs,
-    the process drives GPUs LOCAL_RANK*k .. LOCAL_RANK*k+k-1 of its node, k = gpus_per_process."""
+    the process drives GPUs LOCAL_RANK*k .. LOCAL_RANK*k+k-1 of its node, k = gpus_per_process.
+    `rendezvous_timeout_s` bounds the wait for every rank to join; collectives afterwards keep
+    torch's own timeout (10 min on NCCL, 30 on gloo), so that a short rendezvous timeout never
+    ends a job whose rank 0 takes a while to write a checkpoint."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = pick_backend()
@@ -89,16 +89,16 @@ def init_distributed(timeout_s, gpus_per_process=1):
         device = torch.device("cpu")
         share_cores(local_world)
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    timeout = datetime.timedelta(seconds=timeout_s)   # bounds the rendezvous and every collective
     try:
-        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        store, _, _ = next(rendezvous("env://", rank, world_size,
+                                      timeout=datetime.timedelta(seconds=rendezvous_timeout_s)))
         # After a torchrun restart the store still holds the dead workers' addresses; a key
         # prefix per attempt keeps the new workers from dialling them.
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     except (RuntimeError, ValueError) as e:
         sys.exit(f"rank {rank}: error: the process group at {where} (world size {world_size}) did "
-                 f"not form within {timeout_s:g} s; were all ranks started? "
+                 f"not form within {rendezvous_timeout_s:g} s; were all ranks started? "
                  f"({str(e).splitlines()[0]})")
     return rank, world_size, device
 
@@ -212,24 +212,145 @@ def broadcast_buffers(module):
         dist.broadcast(buffer, src=0)
 
 class Timer:
-    """Seconds of wall-clock time, waiting for queued GPU work first (CUDA runs asynchronously)."""
-    def __init__(self, device):
-        self.device, self.start = device, time.perf_counter()
+    """Seconds of wall-clock time, waiting for queued GPU work first (CUDA runs asynchronously).
+    `already`: seconds counted before a restart, for an epoch resumed in the middle."""
+    def __init__(self, device, already=0.0):
+        self.device, self.start = device, time.perf_counter() - already
     def __call__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.start
 
 class Progress:
-    """A line at most every `every` seconds inside a long epoch, with the time left."""
-    def __init__(self, epoch, steps, enabled, every=10.0):
-        self.epoch, self.steps, self.enabled, self.every = epoch, steps, enabled, every
-        self.start = self.last = time.perf_counter()
-    def __call__(self, step):
+    """A line at most every `every` seconds inside a long epoch, with the time left until the
+    last batch this run does in it (`last`: the epoch's end, or where --max-steps stops it);
+    `first`: the batches done before a restart, which this run's rate does not include."""
+    def __init__(self, epoch, batches, enabled, first=0, last=None, every=10.0):
+        self.epoch, self.batches, self.enabled, self.every = epoch, batches, enabled, every
+        self.first, self.last = first, batches if last is None else last
+        self.start = self.last_print = time.perf_counter()
+    def __call__(self, batch):
         now = time.perf_counter()
-        if self.enabled and now - self.last >= self.every and step < self.steps:
-            self.last, eta = now, (now - self.start) / step * (self.steps - step)
-            print(f"  epoch {self.epoch} step {step}/{self.steps}  ETA {eta:.0f} s", flush=True)
+        if self.enabled and now - self.last_print >= self.every and batch < self.last:
+            self.last_print, eta = now, (now - self.start) / (batch - self.first) * (self.last - batch)
+            print(f"  epoch {self.epoch} batch {batch}/{self.batches}  ETA {eta:.0f} s", flush=True)
+
+# ---------------------------------------------------------------- preemption and resuming
+PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0, which a scheduler or a pipeline would take
+                 # for a finished training, and not 1, which says something broke
+
+class StopRequest:
+    """SIGTERM (preemption, requeue, torchrun shutting down) and SIGUSR1 (sbatch --signal, ahead
+    of the time limit) only note the signal; the ranks decide together, at a step boundary: a
+    rank that stopped alone would leave the others waiting in the next collective for ever.
+
+    The decision costs no waiting. At each boundary a rank reads the allreduce (MAX) of the flags
+    that it started at the previous boundary, long finished since, and starts the next one, on a
+    gloo group of its own over CPU tensors (no GPU sync, never queued behind the gradients). All
+    ranks read the same answer after the same step, one step after a signal is first noted."""
+    def __init__(self):
+        self.signal, self.pending = 0, None
+        self.group = dist.new_group(backend="gloo")
+        for name in ("SIGTERM", "SIGUSR1"):
+            if hasattr(signal, name):   # Windows has no SIGUSR1
+                signal.signal(getattr(signal, name), self._note)
+
+    def _note(self, signum, frame):
+        self.signal = signum
+
+    def agreed(self):
+        """The signal any rank had noted one step ago (the same answer on every rank), or None."""
+        answer = None
+        if self.pending:
+            work, flag = self.pending
+            work.wait()
+            answer = signal.Signals(int(flag.item())).name if flag.item() else None
+        self.pending = None
+        if not answer:
+            flag = torch.tensor([float(self.signal)])
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return answer
+
+    def close(self):
+        """Wait for the flag's last allreduce: nothing may be in flight when the group goes."""
+        if self.pending:
+            self.pending[0].wait()
+            self.pending = None
+
+def describe(position, steps_per_epoch):
+    return (f"epoch {position['epoch'] - 1} done" if not position["batch_in_epoch"] else
+            f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}")
+
+class Checkpointing:
+    """Where the run is, saved: every `every` steps inside an epoch, at each epoch's end, where
+    --max-steps stops it, and when a signal is agreed on (then every rank exits with PREEMPTED).
+    `save(position)` is the script's own writer, called on every rank. A position: the epoch under
+    way, its batches done, the global step, the epoch's partial totals (summed over ranks) and
+    seconds, and what the batches are drawn from."""
+    def __init__(self, save, path, every, drawn_from, final_step, master):
+        self.save_fn, self.path, self.every, self.drawn_from = save, path, every, drawn_from
+        self.final_step, self.master, self.stop = final_step, master, StopRequest()
+
+    def save(self, epoch, batch_in_epoch, step, totals, seconds, batches):
+        partial = totals.clone()
+        dist.all_reduce(partial)   # every rank's sums so far
+        self.save_fn({"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step,
+                      "totals": partial.tolist(), "seconds": seconds, "drawn_from": self.drawn_from})
+        if self.master:
+            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{batches})", flush=True)
+
+    def after_step(self, epoch, batch_in_epoch, batches, step, totals, timer):
+        """Save every `every` steps; on an agreed signal save and exit. The run's last step goes
+        on to its evaluation and outputs (seconds), whatever was signalled."""
+        if step == self.final_step:
+            return
+        signalled = self.stop.agreed()
+        if signalled or (self.every and step % self.every == 0 and batch_in_epoch < batches):
+            self.save(epoch, batch_in_epoch, step, totals, timer(), batches)
+        if signalled:
+            if self.master:
+                print(f"stopped by {signalled} at step {step}; exit status {PREEMPTED} (not finished): "
+                      f"run again with --resume to go on from {self.path}", flush=True)
+            dist.destroy_process_group()
+            raise SystemExit(PREEMPTED)
+
+    def epoch_done(self, epoch, step):
+        self.save_fn({"epoch": epoch + 1, "batch_in_epoch": 0, "step": step, "totals": [0.0] * 3,
+                      "seconds": 0.0, "drawn_from": self.drawn_from})
+
+    def close(self):   # at the end of the run, before the group goes
+        self.stop.close()
+
+def check_resumable(position, drawn_from, args, path, master):
+    """Exit with a message if a loaded position cannot go on in this run; True if nothing is left
+    to train (the caller then leaves the group and returns)."""
+    if position["batch_in_epoch"] and position["drawn_from"] != drawn_from:
+        differ = ", ".join(f"{k} {position['drawn_from'][k]} there, {v} here"
+                           for k, v in drawn_from.items() if position["drawn_from"][k] != v)
+        raise SystemExit(f"error: cannot resume from {path}: it stopped inside epoch {position['epoch']}, and "
+                         f"this run draws other batches ({differ}); use the same --batch-size, --seed and "
+                         f"--train-samples, or start without --resume" if master else 1)
+    if args.max_steps and position["step"] >= args.max_steps:
+        reason = f"it is at step {position['step']}, at or past --max-steps {args.max_steps}"
+    elif position["epoch"] > args.epochs:
+        reason = f"it has finished epoch {position['epoch'] - 1} of --epochs {args.epochs}"
+    else:
+        return False
+    if master:
+        print(f"nothing to train: {path}: {reason}", flush=True)
+    return True
+
+def rng_state(device):
+    """The random number generators that this process uses: the CPU's, and its own GPU's."""
+    return {"cpu_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+def restore_rng(state, device):
+    """Every rank takes the saving rank's state (all ranks start from one seed). A GPU state
+    goes to this rank's own GPU; on a machine without one there is none to restore."""
+    torch.set_rng_state(state["cpu_rng"].cpu())
+    if device.type == "cuda" and state.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
 
 # ---------------------------------------------------------------- command line and outputs
 def _positive(kind):

@@ -6,7 +6,7 @@
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import contextlib, os, signal, time, warnings
+import contextlib, math, os, time, warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -17,69 +17,44 @@ import common
 ARCH = "fashion_resnet18"
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, net, optimizer, position, history):
-    """Everything a restarted job needs to go on exactly where this one was. `position`: the
-    epoch under way, how many of its batches are done, the global step, the epoch's partial
-    totals and seconds, and what its batches were drawn from. Temp file, then rename: a crash
-    while writing leaves the previous checkpoint usable."""
+def save_checkpoint(path, net, optimizer, position, history, device):
+    """Everything a restarted job needs to go on exactly where this one was (`position`: see
+    common.Checkpointing). Temp file, then rename: a crash while writing leaves the previous
+    checkpoint usable."""
     state = {"arch": ARCH, **position, "history": history, "model": net.state_dict(),
-             "optimizer": optimizer.state_dict(), "cpu_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+             "optimizer": optimizer.state_dict(), **common.rng_state(device)}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, net, optimizer, device, drawn_from):
-    """Load onto this rank's own device (map_location), or exit saying what is wrong. A checkpoint
-    taken inside an epoch is refused unless this run draws the same batches: its position would
-    point at other batches (another world size at the same global batch draws the same ones)."""
-    try:
-        state = torch.load(path, map_location=device)
-        if not isinstance(state, dict) or state.get("arch") != ARCH:
-            raise ValueError(f"it holds no {ARCH} checkpoint"
-                             + (f" (it was written for {state['arch']})" if isinstance(state, dict) and "arch" in state else ""))
-        net.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state.keys()
-        if missing:
-            raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
-    except Exception as e:   # a foreign pickle can raise anything; say which file and why
-        reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
-        raise SystemExit(f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}")
-    if state["batch_in_epoch"] and state["drawn_from"] != drawn_from:
-        differ = ", ".join(f"{k} {state['drawn_from'][k]} there, {v} here"
-                           for k, v in drawn_from.items() if state["drawn_from"][k] != v)
-        raise SystemExit(f"error: cannot resume from {path}: it stopped inside epoch {state['epoch']}, and this "
-                         f"run draws other batches ({differ}); use the same --batch-size, --seed and "
-                         f"--train-samples, or start without --resume")
-    torch.set_rng_state(state["cpu_rng"].cpu())
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-    return state
-
-# ---------------------------------------------------------------- preemption: SIGTERM, SIGUSR1
-PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0, which a scheduler or a pipeline would take
-                 # for a finished training, and not 1, which says something broke
-
-class StopRequest:
-    """SIGTERM (preemption, requeue, torchrun shutting down) and SIGUSR1 (sbatch --signal, ahead
-    of the time limit) only note the signal. At every step boundary the ranks decide together,
-    with an allreduce of the noted signal: a rank that stopped alone would leave the others
-    waiting in the next gradient allreduce for ever. The flag goes over gloo on the CPU, so on
-    GPUs this per-step check does not wait for the GPU."""
-    def __init__(self):
-        self.signal = 0
-        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        for name in ("SIGTERM", "SIGUSR1"):
-            if hasattr(signal, name):   # Windows has no SIGUSR1
-                signal.signal(getattr(signal, name), self._note)
-
-    def _note(self, signum, frame):
-        self.signal = signum
-
-    def agreed(self):
-        """The signal any rank has received (the same answer on every rank), or None."""
-        flag = torch.tensor([float(self.signal)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
+def load_checkpoint(path, net, optimizer, device, master):
+    """Rank 0 alone decides: it reads the file and checks it by loading it, then sends it to
+    every rank, so that ranks on nodes that do not see the file (node-local disks) go on from the
+    same step. Returns the checkpoint, or None when there is none; errors exit, said once."""
+    state = [None]
+    if master and not os.path.exists(path):
+        print(f"no checkpoint at {path}: training starts from step 0", flush=True)
+    elif master:
+        try:
+            state[0] = torch.load(path, map_location="cpu")
+            if not isinstance(state[0], dict) or state[0].get("arch") != ARCH:
+                raise ValueError(f"it holds no {ARCH} checkpoint" + (f" (it was written for {state[0]['arch']})"
+                                 if isinstance(state[0], dict) and "arch" in state[0] else ""))
+            missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state[0].keys()
+            if missing:
+                raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
+            net.load_state_dict(state[0]["model"])
+            optimizer.load_state_dict(state[0]["optimizer"])
+        except Exception as e:   # a foreign pickle can raise anything; say which file and why
+            reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
+            state[0] = f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}"
+    dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint, or its verdict, to all
+    if isinstance(state[0], str):
+        raise SystemExit(state[0] if master else 1)
+    if state[0] and not master:
+        net.load_state_dict(state[0]["model"])
+        optimizer.load_state_dict(state[0]["optimizer"])
+    if state[0]:
+        common.restore_rng(state[0], device)
+    return state[0]
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
@@ -130,14 +105,21 @@ def train(args):
     steps_per_epoch = len(y_train) // (rank_batch * world_size)
     # Where the run is: epoch under way, batches of it done, global step, partial totals and seconds.
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    if args.resume and os.path.exists(args.checkpoint):
-        state = load_checkpoint(args.checkpoint, net, optimizer, device, drawn_from)
-        position, metrics["epochs"] = {k: state[k] for k in position}, state["history"]
+    state = load_checkpoint(args.checkpoint, net, optimizer, device, master) if args.resume else None
+    if state:
+        position, metrics["epochs"] = {k: state[k] for k in [*position, "drawn_from"]}, state["history"]
+        if common.check_resumable(position, drawn_from, args, args.checkpoint, master):
+            dist.destroy_process_group()
+            return net
         if master:
-            where = (f"epoch {position['epoch'] - 1} done" if not position["batch_in_epoch"] else
-                     f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}")
-            print(f"resumed from {args.checkpoint}: {where}, step {position['step']}", flush=True)
-    stop = StopRequest()   # DDP: every rank stops at the same step boundary
+            print(f"resumed from {args.checkpoint}: {common.describe(position, steps_per_epoch)}, "
+                  f"step {position['step']}", flush=True)
+    final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
+    def save(here):   # DDP: every rank holds the same weights; rank 0 writes them
+        if master:
+            save_checkpoint(args.checkpoint, net, optimizer, here, metrics["epochs"], device)
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
+                                       final_step, master)   # DDP: all ranks stop at the same step
     # DDP compares each gradient's strides with its bucket's, those of size-1 dimensions too,
     # which do not change the layout. On GPUs the 1x1 shortcut convolutions and the one-channel
     # stem get gradients with such nominal differences, and DDP warns once of a mismatch that is
@@ -153,18 +135,19 @@ def train(args):
               flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
-        if step == args.max_steps:
+        if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
         # Global batches from (seed, epoch) alone: a new order each epoch (what set_epoch does
         # for a DistributedSampler), and the same batches as one device at any world size.
         batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
-        progress = common.Progress(epoch, len(batches), master)
-        timer = common.Timer(device)
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
+        last = min(len(batches), done + final_step - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, len(batches), master, first=done, last=last)
+        timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         # Summed loss, hits, samples; after a mid-epoch restart rank 0 carries all ranks' sums so far.
         totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
         net.train()
-        for batch_in_epoch, idx in enumerate(batches[done:], done + 1):
+        for batch_in_epoch, idx in enumerate(batches[done:last], done + 1):
             idx = idx.view(world_size, rank_batch)[rank]   # DDP: this rank's share
             X = X_train[idx].contiguous(memory_format=memory_format)
             loss_sum, hits = train_step(model, ddp_model, optimizer, X, y_train[idx], args.accum_steps, args.amp)
@@ -172,35 +155,19 @@ def train(args):
             totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             progress(batch_in_epoch)
-            if step == args.max_steps:
-                break
-            signalled = stop.agreed()
-            if signalled or (args.checkpoint_every and step % args.checkpoint_every == 0
-                             and batch_in_epoch < len(batches)):
-                partial = totals.clone()
-                dist.all_reduce(partial)   # DDP: every rank's sums so far, kept by rank 0
-                here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
-                        "seconds": (position["seconds"] if done else 0.0) + timer(), "drawn_from": drawn_from}
-                if master:
-                    save_checkpoint(args.checkpoint, net, optimizer, here, metrics["epochs"])
-                    print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{len(batches)})", flush=True)
-            if signalled:
-                dist.barrier(group=stop.group)   # DDP: nobody leaves before rank 0 has saved
-                if master:
-                    print(f"stopped by {signalled} at step {step}; exit status {PREEMPTED} (not finished): "
-                          f"run again with --resume to go on from {args.checkpoint}", flush=True)
-                dist.destroy_process_group()
-                raise SystemExit(PREEMPTED)
-        seconds = (position["seconds"] if done else 0.0) + timer()
+            checkpoints.after_step(epoch, batch_in_epoch, len(batches), step, totals, timer)   # DDP: may stop here
+        seconds = timer()
+        if last < len(batches):   # stopped by --max-steps inside the epoch: a checkpoint of here
+            checkpoints.save(epoch, last, step, totals, seconds, len(batches))
         dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
         common.broadcast_buffers(net)   # DDP: BatchNorm statistics: rank 0's, those model.pt holds
         net.eval()
         test_acc = common.evaluate(net, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if master and step != args.max_steps:
-            next_epoch = {"epoch": epoch + 1, "batch_in_epoch": 0, "step": step, "totals": [0.0] * 3,
-                          "seconds": 0.0, "drawn_from": drawn_from}
-            save_checkpoint(args.checkpoint, net, optimizer, next_epoch, metrics["epochs"])
+        if last < len(batches):
+            break
+        checkpoints.epoch_done(epoch, step)
+    checkpoints.close()
     if master and metrics["epochs"]:
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
@@ -215,13 +182,13 @@ def parse_args(argv=None):
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every "
-                                        "--checkpoint-every steps and on SIGTERM/SIGUSR1 (default: <out>/checkpoint.pt)")
+    p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
+                                        "steps, where the run stops and on SIGTERM/SIGUSR1 (default: <out>/checkpoint.pt)")
     p.add_argument("--checkpoint-every", type=common.positive_int,
                    help="also write the checkpoint every N optimizer steps, inside epochs")
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint if it exists, mid-epoch too")
+    p.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 sees it), mid-epoch too; without one, start at step 0")
     p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for every rank to join before giving up")
+                   help="seconds to wait for every rank to join (collectives afterwards: torch's default)")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args

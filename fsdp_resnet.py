@@ -12,7 +12,7 @@ it reduce-scatters the gradients, so each rank receives the summed gradient of i
 and the optimizer updates that shard. About 1.5x DDP's bytes on the wire, for 1/W of the memory.
 Lines that exist only because of sharding are tagged `# FSDP:`.
 """
-import os, shutil, time
+import math, os, re, shutil, time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,38 +26,73 @@ import common
 ARCH = "fashion_resnet18"
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
-def save_checkpoint(path, model, optimizer, epoch, step, history, rank):
-    """torch.distributed.checkpoint: each rank writes its own shards into the folder `path` (on
-    storage every node sees); no rank ever holds the whole model. Written to a temp folder first:
-    the previous checkpoint stays whole until the new one is."""
+def save_checkpoint(path, model, optimizer, position, history, rank, device):
+    """torch.distributed.checkpoint: each rank writes its own shards (on storage every node sees);
+    no rank ever holds the whole model. Each checkpoint is a folder of its own, `step-N` inside
+    the folder `path`, written as `step-N.tmp` and renamed when complete; the older ones are
+    deleted only then. At every moment a complete checkpoint exists: a crash leaves at worst a
+    `.tmp` folder (ignored) or two complete ones (the newer is loaded)."""
+    # BatchNorm statistics are not sharded: DCP writes each such tensor once, from any one rank,
+    # so every rank must hold the same ones: rank 0's, those model.pt holds.
+    common.broadcast_buffers(model)
     model_state, optimizer_state = get_state_dict(model, optimizer)   # FSDP: sharded (DTensors)
-    tmp = f"{path}.tmp"
+    done = os.path.join(path, f"step-{position['step']:08d}")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(done + ".tmp", ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    if rank == 0:
-        torch.save({"arch": ARCH, "epoch": epoch, "step": step, "history": history,
-                    "cpu_rng": torch.get_rng_state()}, os.path.join(tmp, "progress.pt"))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")
+    if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
+        torch.save({"arch": ARCH, **position, "history": history, **common.rng_state(device)},
+                   os.path.join(done + ".tmp", "progress.pt"))
+        shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
+        os.replace(done + ".tmp", done)
+        for name in os.listdir(path):
+            if re.fullmatch(r"step-\d+(\.tmp)?", name) and name != os.path.basename(done):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     dist.barrier()   # nobody goes on (or reads the checkpoint) before it is in place
 
-def load_checkpoint(path, model, optimizer):
-    """Load into this run's shards, whatever the world size that wrote it (DCP reshards)."""
-    try:
-        progress = torch.load(os.path.join(path, "progress.pt"))
-        if progress.get("arch") != ARCH:
-            raise ValueError(f"it holds no {ARCH} checkpoint")
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    except Exception as e:
-        reason = " ".join(str(e).split())
-        raise SystemExit(f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}")
-    torch.set_rng_state(progress["cpu_rng"])
-    return progress["epoch"], progress["step"], progress["history"]
+def newest_checkpoint(path):
+    """The complete checkpoint of the highest step in the folder `path`, or None."""
+    steps = [name for name in os.listdir(path) if re.fullmatch(r"step-\d+", name)] if os.path.isdir(path) else []
+    return os.path.join(path, max(steps, key=lambda name: int(name[5:]))) if steps else None
+
+def load_checkpoint(path, model, optimizer, device, rank, world_size):
+    """Rank 0 picks the checkpoint and reads its position; every rank then loads its own shards,
+    whatever the world size that wrote them (DCP reshards). Returns the progress (position,
+    history), or None when there is none; errors exit, said once."""
+    found = [None]
+    if rank == 0:
+        found[0] = newest_checkpoint(path)
+        if found[0] is None:
+            print(f"no checkpoint in {path}: training starts from step 0", flush=True)
+        else:
+            try:
+                progress = torch.load(os.path.join(found[0], "progress.pt"), map_location="cpu")
+                if not isinstance(progress, dict) or progress.get("arch") != ARCH:
+                    raise ValueError(f"it holds no {ARCH} checkpoint")
+                found[0] = (found[0], progress)
+            except Exception as e:
+                found[0] = f"{found[0]}: {' '.join(str(e).split())[:400]}"
+    dist.broadcast_object_list(found, src=0)   # FSDP: every rank loads the checkpoint rank 0 chose
+    if found[0] is None:
+        return None
+    error = found[0] if isinstance(found[0], str) else None
+    if not error:
+        folder, progress = found[0]
+        try:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=folder)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        except Exception as e:
+            error = f"{folder}: {' '.join(str(e).split())[:400]} (rank {rank})"
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
+    common.restore_rng(progress, device)
+    return progress
 
 def full_state_dict(model):
     """The whole model as one state dict of CPU tensors on rank 0 (empty elsewhere), as the other
@@ -106,26 +141,39 @@ def train(args):
     model = shard(net, device, world_size, args.amp)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size, len(y_test))
-    first_epoch, step = 1, 0
-    if args.resume and os.path.isdir(args.checkpoint):
-        done_epoch, step, metrics["epochs"] = load_checkpoint(args.checkpoint, model, optimizer)
-        first_epoch = done_epoch + 1
+    drawn_from = {"global batch": rank_batch * world_size, "seed": args.seed, "training samples": len(y_train)}
+    steps_per_epoch = len(y_train) // (rank_batch * world_size)
+    position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
+    saved = load_checkpoint(args.checkpoint, model, optimizer, device, rank, world_size) if args.resume else None
+    if saved:
+        position, metrics["epochs"] = {k: saved[k] for k in [*position, "drawn_from"]}, saved["history"]
+        if common.check_resumable(position, drawn_from, args, args.checkpoint, master):
+            dist.destroy_process_group()
+            return None
         if master:
-            print(f"resumed from {args.checkpoint}: epoch {done_epoch} done, step {step}", flush=True)
+            print(f"resumed from {args.checkpoint}: {common.describe(position, steps_per_epoch)}, "
+                  f"step {position['step']}", flush=True)
+    final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
+    def save(here):   # FSDP: every rank writes its own shards
+        save_checkpoint(args.checkpoint, model, optimizer, here, metrics["epochs"], rank, device)
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master)
     if master:
         print(f"fsdp_resnet: {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
               f"{rank_batch * world_size} = {world_size} x {rank_batch}, parameters sharded {world_size} ways",
               flush=True)
-    start = time.perf_counter()
-    for epoch in range(first_epoch, args.epochs + 1):
-        if step == args.max_steps:
+    step, start = position["step"], time.perf_counter()
+    for epoch in range(position["epoch"], args.epochs + 1):
+        if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
         batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
-        progress = common.Progress(epoch, len(batches), master)
-        timer = common.Timer(device)
-        totals = torch.zeros(3, device=device)   # summed loss, hits, samples
+        done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
+        last = min(len(batches), done + final_step - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, len(batches), master, first=done, last=last)
+        timer = common.Timer(device, already=position["seconds"] if done else 0.0)
+        # Summed loss, hits, samples; after a mid-epoch restart rank 0 carries all ranks' sums so far.
+        totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
         model.train()
-        for batch_in_epoch, idx in enumerate(batches, 1):
+        for batch_in_epoch, idx in enumerate(batches[done:last], done + 1):
             idx = idx.view(world_size, rank_batch)[rank]   # this rank's share
             X, y = X_train[idx].contiguous(memory_format=memory_format), y_train[idx]
             optimizer.zero_grad(set_to_none=True)
@@ -137,16 +185,19 @@ def train(args):
             totals[2] += len(idx)
             step += 1
             progress(batch_in_epoch)
-            if step == args.max_steps:
-                break
+            checkpoints.after_step(epoch, batch_in_epoch, len(batches), step, totals, timer)   # may stop here
         seconds = timer()
+        if last < len(batches):   # stopped by --max-steps inside the epoch: a checkpoint of here
+            checkpoints.save(epoch, last, step, totals, seconds, len(batches))
         dist.all_reduce(totals)
         common.broadcast_buffers(model)   # BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
         test_acc = common.evaluate(model, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if step != args.max_steps:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch, step, metrics["epochs"], rank)
+        if last < len(batches):
+            break
+        checkpoints.epoch_done(epoch, step)
+    checkpoints.close()
     held = [None] * world_size
     dist.all_gather_object(held, bytes_held(model, optimizer))   # FSDP: what each rank holds
     state = full_state_dict(model)
@@ -165,11 +216,16 @@ def parse_args(argv=None):
     p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
     p.add_argument("--amp", action="store_true", help="bf16 compute, fp32 gradient reduction (FSDP's mixed precision)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
-    p.add_argument("--checkpoint", help="checkpoint folder, one file per rank, written after every epoch "
+    p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
+                                        "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint)")
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint if it exists (any world size)")
+    p.add_argument("--checkpoint-every", type=common.positive_int,
+                   help="also write the checkpoint every N optimizer steps, inside epochs")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the newest checkpoint in --checkpoint, mid-epoch too, at any world size; "
+                        "without one, start at step 0")
     p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for every rank to join before giving up")
+                   help="seconds to wait for every rank to join (collectives afterwards: torch's default)")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
     return args
