@@ -1,0 +1,81 @@
+"""What agreeing to stop costs a DDP step: the same step with no stop check, with a blocking
+allreduce of the stop flag after every step (every rank waits a network round trip), and with
+common.StopRequest (the flag's allreduce started at one step boundary, read at the next).
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/stop_check.py
+    python simulated_cluster.py --nodes 2 --rate-mbit 100 -- torchrun --nnodes=2 --nproc_per_node=1 \\
+        --node-rank={node} --master-addr={head} --master-port=29500 benchmarks/stop_check.py
+
+The model is a small MLP whose step takes milliseconds, as a GPU step of a larger model does:
+the check's share of a step is at its largest there. The variants take turns (--repeats rounds
+of --steps steps each, after --warmup), and rank 0 prints the median time per step of each and
+its ratio to no check.
+"""
+import argparse, os, signal, statistics, sys, time
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50, help="steps per round")
+    p.add_argument("--repeats", type=int, default=7, help="rounds; each variant runs once a round")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps of each variant first")
+    p.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    args = p.parse_args()
+    common.default_to_one_process()
+    rank, world_size, device = common.init_distributed(120)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
+                        nn.Linear(args.width, 10)).to(device)
+    model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    X, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
+    stop = common.StopRequest()
+    blocking_group = stop.group
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(X), y).backward()
+        optimizer.step()
+
+    def blocking():   # the flag's allreduce waited for at every step
+        step()
+        flag = torch.zeros(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=blocking_group)
+        assert flag.item() == 0
+
+    def agreed():
+        step()
+        assert stop.agreed() is None
+
+    variants = {"no check": step, "blocking allreduce": blocking, "StopRequest": agreed}
+    times = {name: [] for name in variants}
+    for name, run in variants.items():
+        for _ in range(args.warmup):
+            run()
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            dist.barrier()
+            timer = common.Timer(device)
+            for _ in range(args.steps):
+                run()
+            times[name].append(timer() / args.steps)
+    stop.close()
+    if rank == 0:
+        base = statistics.median(times["no check"])
+        print(f"{world_size} ranks on {device} ({dist.get_backend()}), median of {args.repeats} rounds of {args.steps} steps")
+        for name, seconds in times.items():
+            median = statistics.median(seconds)
+            print(f"  {name:20} {median * 1e3:8.3f} ms/step  {median / base:5.3f}x no check")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
