@@ -8,7 +8,7 @@ piece per GPU, runs the pieces in threads of this one process, gathers the outpu
 GPU, and sums the gradients back there. Simple to use; see the README for what it costs.
 Lines that exist only because of DataParallel are tagged `# DP:`.
 """
-import time
+import math, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ def train(args):
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(device)   # as ddp_resnet.py
-        progress = common.Progress(epoch, len(batches), True)
+        progress = common.Progress(epoch, len(batches), True, last=min(len(batches), (args.max_steps or math.inf) - step))
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device)   # summed loss, hits, samples
         net.train()

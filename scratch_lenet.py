@@ -279,7 +279,7 @@ def train(args, devices, rank=0, world_size=1):
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
-        progress = common.Progress(epoch, len(batches), master)
+        progress = common.Progress(epoch, len(batches), master, last=min(len(batches), total_steps - step))
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
         for batch_in_epoch, idx in enumerate(batches, 1):
             idx = idx.tensor_split(world_size)[rank]   # this process's share of the global batch
