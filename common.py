@@ -1,23 +1,20 @@
-"""What the scripts share and is not the lesson: devices and process groups, Fashion-MNIST held in
-memory, evaluation, a timer, the common command line and the output files.
+"""What the scripts share and is not the lesson: the rendezvous and device checks, Fashion-MNIST held in
+memory, evaluation, a timer, stopping and resuming, the common command line and the output files.
 
-`python common.py --data-dir DIR` only prepares the data (run_all.sh uses it)."""
+`python common.py --data-dir DIR` only prepares the data (run_all.sh uses it).
+
+torch.distributed.nn is imported here, before any process group exists, on purpose: it binds
+group.WORLD as a default argument when first imported. DDP imports it (through torch._dynamo);
+after init_process_group, that default would keep the group and its threads alive past
+destroy_process_group, running while the interpreter shuts down, which is when finished ranks
+were seen to abort at random."""
 import argparse, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, time
 import torch
 import torch.distributed as dist
-# Imported before any process group exists, on purpose: torch.distributed.nn binds group.WORLD
-# as a default argument when it is first imported. DDP imports it (through torch._dynamo); after
-# init_process_group, that default would keep the group and its threads alive past
-# destroy_process_group, running while the interpreter shuts down, which is when finished ranks
-# were seen to abort at random.
-import torch.distributed.nn   # noqa: F401
-import torch.multiprocessing as mp
+import torch.distributed.nn   # noqa: F401  (before any group exists: see the top)
 from torch.distributed.rendezvous import rendezvous
 
 # ---------------------------------------------------------------- devices, backend, processes
-def try_all_gpus():
-    return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
-
 def pick_backend(cuda=None, platform=sys.platform):
     # NCCL exists only for CUDA on Linux; gloo runs everywhere else (on Windows set USE_LIBUV=0).
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -46,61 +43,38 @@ def keep_freed_memory():
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
         libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
-def spawn_ranks(worker, world_size, args):
-    """Start `world_size` processes here with the variables torchrun would set, on a free port."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    try:
-        mp.spawn(_run_rank, args=(worker, args), nprocs=world_size)
-    except mp.ProcessExitedException as e:   # the rank already printed why; no parent traceback
-        sys.exit(e.exit_code or 1)
-
-def _run_rank(local_rank, worker, args):
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    worker(args)
-
 def default_to_one_process():
     """Run by plain `python script.py` (no launcher): describe a group of one on this machine."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
-def init_distributed(rendezvous_timeout_s, gpus_per_process=1):
-    """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (torchrun or
-    spawn_ranks set them). The global rank is RANK; the device comes from LOCAL_RANK: on GPUs,
-    the process drives GPUs LOCAL_RANK*k .. LOCAL_RANK*k+k-1 of its node, k = gpus_per_process.
-    `rendezvous_timeout_s` bounds the wait for every rank to join; collectives afterwards keep
-    torch's own timeout (10 min on NCCL, 30 on gloo), so that a short rendezvous timeout never
-    ends a job whose rank 0 takes a while to write a checkpoint."""
+def check_gpu_count(processes_on_this_node, gpus_each=1, rank=0):
+    """Exit, saying what to do, when this node starts more processes than it has GPUs for: NCCL
+    would otherwise fail later with "Duplicate GPU detected"."""
+    if processes_on_this_node * gpus_each > torch.cuda.device_count():
+        each = f" x {gpus_each} GPUs each" if gpus_each > 1 else ""
+        sys.exit(f"rank {rank}: error: {processes_on_this_node} processes{each} on this node but "
+                 f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or use gloo on CPU "
+                 f"with CUDA_VISIBLE_DEVICES=")
+
+def rendezvous_store(timeout_s):
+    """The key-value store through which the ranks find each other, at MASTER_ADDR:MASTER_PORT
+    (torchrun, ddp_toy.py's spawn or default_to_one_process set them). `timeout_s` bounds the wait for
+    every rank to join; it is not the collectives' timeout (init_process_group's own default, 10
+    min on NCCL and 30 on gloo), so a short one never ends a job whose rank 0 is writing a
+    checkpoint. After a torchrun restart the store still holds the dead workers' addresses: a
+    key prefix per attempt keeps the new workers from dialling them."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    backend = pick_backend()
     if sys.platform == "win32":
         os.environ.setdefault("USE_LIBUV", "0")   # some Windows builds of torch lack libuv
-    if backend == "nccl":
-        if local_world * gpus_per_process > torch.cuda.device_count():   # NCCL: "Duplicate GPU detected"
-            each = f" x {gpus_per_process} GPUs each" if gpus_per_process > 1 else ""
-            sys.exit(f"rank {rank}: error: {local_world} processes{each} on this node but "
-                     f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or use gloo "
-                     f"on CPU with CUDA_VISIBLE_DEVICES=")
-        device = torch.device("cuda", local_rank * gpus_per_process)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        share_cores(local_world)
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        store, _, _ = next(rendezvous("env://", rank, world_size,
-                                      timeout=datetime.timedelta(seconds=rendezvous_timeout_s)))
-        # After a torchrun restart the store still holds the dead workers' addresses; a key
-        # prefix per attempt keeps the new workers from dialling them.
-        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=timeout_s)))
     except (RuntimeError, ValueError) as e:
-        sys.exit(f"rank {rank}: error: the process group at {where} (world size {world_size}) did "
-                 f"not form within {rendezvous_timeout_s:g} s; were all ranks started? "
-                 f"({str(e).splitlines()[0]})")
-    return rank, world_size, device
+        sys.exit(f"rank {rank}: error: the process group at {os.environ.get('MASTER_ADDR')}:"
+                 f"{os.environ.get('MASTER_PORT')} (world size {world_size}) did not form within "
+                 f"{timeout_s:g} s; were all ranks started? ({str(e).splitlines()[0]})")
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 # ---------------------------------------------------------------- Fashion-MNIST in memory
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -272,14 +246,12 @@ class StopRequest:
         return answer
 
     def close(self):
-        """Wait for the flag's last allreduce: nothing may be in flight when the group goes."""
+        """Wait for the flag's last allreduce (nothing may be in flight when the groups go) and
+        let go of the group: the signal handlers keep this object alive, and a group object still
+        referenced keeps gloo's threads running past destroy_process_group."""
         if self.pending:
             self.pending[0].wait()
-            self.pending = None
-
-def describe(position, steps_per_epoch):
-    return (f"epoch {position['epoch'] - 1} done" if not position["batch_in_epoch"] else
-            f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}")
+        self.pending = self.group = None
 
 class Checkpointing:
     """Where the run is, saved: every `every` steps inside an epoch, at each epoch's end, where
@@ -321,24 +293,31 @@ class Checkpointing:
     def close(self):   # at the end of the run, before the group goes
         self.stop.close()
 
-def check_resumable(position, drawn_from, args, path, master):
-    """Exit with a message if a loaded position cannot go on in this run; True if nothing is left
-    to train (the caller then leaves the group and returns)."""
-    if position["batch_in_epoch"] and position["drawn_from"] != drawn_from:
-        differ = ", ".join(f"{k} {position['drawn_from'][k]} there, {v} here"
-                           for k, v in drawn_from.items() if position["drawn_from"][k] != v)
+def resume_position(saved, drawn_from, args, steps_per_epoch, master):
+    """The position a loaded checkpoint goes on from, said in one line; None when nothing is
+    left to train (the caller leaves the group and returns). Exits, saying why, when the
+    checkpoint stopped inside an epoch and this run would draw other batches."""
+    position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
+    path = args.checkpoint
+    if position["batch_in_epoch"] and saved["drawn_from"] != drawn_from:
+        differ = ", ".join(f"{k} {saved['drawn_from'][k]} there, {v} here"
+                           for k, v in drawn_from.items() if saved["drawn_from"][k] != v)
         raise SystemExit(f"error: cannot resume from {path}: it stopped inside epoch {position['epoch']}, and "
                          f"this run draws other batches ({differ}); use the same --batch-size, --seed and "
                          f"--train-samples, or start without --resume" if master else 1)
     if args.max_steps and position["step"] >= args.max_steps:
-        reason = f"it is at step {position['step']}, at or past --max-steps {args.max_steps}"
+        nothing = f"it is at step {position['step']}, at or past --max-steps {args.max_steps}"
     elif position["epoch"] > args.epochs:
-        reason = f"it has finished epoch {position['epoch'] - 1} of --epochs {args.epochs}"
+        nothing = f"it has finished epoch {position['epoch'] - 1} of --epochs {args.epochs}"
     else:
-        return False
+        if master:
+            where = (f"epoch {position['epoch'] - 1} done" if not position["batch_in_epoch"] else
+                     f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}")
+            print(f"resumed from {path}: {where}, step {position['step']}", flush=True)
+        return position
     if master:
-        print(f"nothing to train: {path}: {reason}", flush=True)
-    return True
+        print(f"nothing to train: {path}: {nothing}", flush=True)
+    return None
 
 def rng_state(device):
     """The random number generators that this process uses: the CPU's, and its own GPU's."""
@@ -363,8 +342,9 @@ def _positive(kind):
 
 positive_int, positive_float = _positive(int), _positive(float)
 
-def base_parser(script, description, epochs, batch_size, lr, data=True):
-    """The flags every training script shares; each script adds its own."""
+def base_parser(script, description, epochs, batch_size, lr, data=True, resnet=False, distributed=False):
+    """The flags every training script shares; each script adds its own. `resnet`: --amp and
+    --channels-last; `distributed`: --init-timeout."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=batch_size,
@@ -378,6 +358,12 @@ def base_parser(script, description, epochs, batch_size, lr, data=True):
     p.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps")
     p.add_argument("--train-samples", type=positive_int, help="use only the first N training images")
     p.add_argument("--test-samples", type=positive_int, help="use only the first N test images")
+    if resnet:
+        p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+        p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    if distributed:
+        p.add_argument("--init-timeout", type=positive_float, default=300,
+                       help="seconds to wait for every rank to join (collectives afterwards: torch's default)")
     return p
 
 def rank_batch_size(batch_size, world_size, train_samples, master):

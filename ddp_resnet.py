@@ -5,6 +5,11 @@
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 ddp_resnet.py
 
 Lines that exist only because of DDP are tagged `# DDP:`.
+
+One warning is silenced: DDP compares each gradient's strides with its bucket's, those of size-1
+dimensions too, which do not change the layout. On GPUs the 1x1 shortcut convolutions and the
+one-channel stem get gradients with such nominal differences, and DDP warns once of a mismatch
+that is not there (pytorch#47163).
 """
 import contextlib, math, os, time, warnings
 import torch
@@ -77,7 +82,19 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
 
 # ---------------------------------------------------------------- training
 def train(args):
-    rank, world_size, device = common.init_distributed(args.init_timeout)   # DDP: join the group
+    # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
+    if backend == "nccl":
+        common.check_gpu_count(processes_here, rank=rank)   # DDP: one GPU per process
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        common.share_cores(processes_here)
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
+                            rank=rank, world_size=world_size)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
@@ -107,26 +124,20 @@ def train(args):
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = load_checkpoint(args.checkpoint, net, optimizer, device, master) if args.resume else None
     if state:
-        position, metrics["epochs"] = {k: state[k] for k in [*position, "drawn_from"]}, state["history"]
-        if common.check_resumable(position, drawn_from, args, args.checkpoint, master):
-            dist.destroy_process_group()
+        position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
+        metrics["epochs"] = state["history"]
+        if position is None:   # nothing left to train
+            dist.destroy_process_group()   # DDP: leave cleanly
             return net
-        if master:
-            print(f"resumed from {args.checkpoint}: {common.describe(position, steps_per_epoch)}, "
-                  f"step {position['step']}", flush=True)
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # DDP: every rank holds the same weights; rank 0 writes them
         if master:
             save_checkpoint(args.checkpoint, net, optimizer, here, metrics["epochs"], device)
     checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
                                        final_step, master)   # DDP: all ranks stop at the same step
-    # DDP compares each gradient's strides with its bucket's, those of size-1 dimensions too,
-    # which do not change the layout. On GPUs the 1x1 shortcut convolutions and the one-channel
-    # stem get gradients with such nominal differences, and DDP warns once of a mismatch that is
-    # not there (pytorch#47163). That message alone is silenced.
-    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")   # see the top
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
-    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
+    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)   # DDP: the wrap
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:
@@ -175,20 +186,19 @@ def train(args):
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
+                           resnet=True, distributed=True)
     p.add_argument("--accum-steps", type=common.positive_int, default=1,
                    help="split each rank's batch into this many micro-batches (gradient accumulation)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
-                                        "steps, where the run stops and on SIGTERM/SIGUSR1 (default: <out>/checkpoint.pt)")
+                                        "steps, where the run stops and on SIGTERM/SIGUSR1 "
+                                        "(default: <out>/checkpoint.pt)")
     p.add_argument("--checkpoint-every", type=common.positive_int,
                    help="also write the checkpoint every N optimizer steps, inside epochs")
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 sees it), mid-epoch too; without one, start at step 0")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for every rank to join (collectives afterwards: torch's default)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from --checkpoint (as rank 0 sees it), mid-epoch too; without one, start at step 0")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args

@@ -5,9 +5,10 @@
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import os, time
+import os, sys, time
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,7 +35,19 @@ def train_loader(X, y, rank_batch, rank, world_size, seed):
     return DataLoader(TensorDataset(X, y), batch_size=rank_batch, sampler=sampler, drop_last=True)
 
 def train(args):
-    rank, world_size, device = common.init_distributed(args.init_timeout)   # DDP: join the group
+    # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
+    if backend == "nccl":
+        common.check_gpu_count(processes_here, rank=rank)   # DDP: one GPU per process
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        common.share_cores(processes_here)
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
+                            rank=rank, world_size=world_size)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
@@ -77,19 +90,30 @@ def train(args):
     return model.module
 
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=20, batch_size=96, lr=0.2, data=False)
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=20, batch_size=96, lr=0.2,
+                           data=False, distributed=True)
     p.set_defaults(train_samples=2000, test_samples=1000)
     p.add_argument("--world-size", type=common.positive_int,
                    help="processes to start when run without torchrun (default: one per GPU, else 2)")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for every rank to join before giving up")
     return p.parse_args(argv)
+
+def run_rank(local_rank, args):   # DDP: one process of mp.spawn, told its rank as torchrun would tell it
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    train(args)
 
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
         return train(args)
-    common.spawn_ranks(train, args.world_size or torch.cuda.device_count() or 2, args)
+    # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
+    # pick a free one, so two jobs on one machine never collide.
+    world_size = args.world_size or torch.cuda.device_count() or 2
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        mp.spawn(run_rank, args=(args,), nprocs=world_size)   # DDP: one process per rank
+    except mp.ProcessExitedException as e:   # the rank already printed why; no parent traceback
+        sys.exit(e.exit_code or 1)
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ def train_step(model, optimizer, X, y, amp):
 
 def train(args):
     common.check_out_dir(args.out)
-    gpus = common.try_all_gpus()[: args.gpus] if torch.cuda.is_available() else []
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())][: args.gpus]
     device = gpus[0] if gpus else torch.device("cpu")
     if not gpus:
         print("note: no GPU here, so DataParallel runs the model on the CPU as a single device", flush=True)
@@ -45,7 +45,8 @@ def train(args):
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(device)   # as ddp_resnet.py
-        progress = common.Progress(epoch, len(batches), True, last=min(len(batches), (args.max_steps or math.inf) - step))
+        last = min(len(batches), (args.max_steps or math.inf) - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, len(batches), True, last=last)
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device)   # summed loss, hits, samples
         net.train()
@@ -68,10 +69,9 @@ def train(args):
     return net
 
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
+                           resnet=True)
     p.add_argument("--gpus", type=common.positive_int, help="GPUs to use (default: all)")
-    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     args = p.parse_args(argv)
     if args.gpus and args.gpus > torch.cuda.device_count():
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()}")

@@ -34,14 +34,14 @@ def save_checkpoint(path, model, optimizer, position, history, rank, device):
     `.tmp` folder (ignored) or two complete ones (the newer is loaded)."""
     # BatchNorm statistics are not sharded: DCP writes each such tensor once, from any one rank,
     # so every rank must hold the same ones: rank 0's, those model.pt holds.
-    common.broadcast_buffers(model)
+    common.broadcast_buffers(model)   # FSDP: rank 0's BatchNorm statistics on every rank
     model_state, optimizer_state = get_state_dict(model, optimizer)   # FSDP: sharded (DTensors)
     done = os.path.join(path, f"step-{position['step']:08d}")
     if rank == 0:
         shutil.rmtree(done + ".tmp", ignore_errors=True)
         os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")
+    dist.barrier()   # FSDP: the folder is clean before anyone writes
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")   # FSDP: own shards
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
         torch.save({"arch": ARCH, **position, "history": history, **common.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
@@ -50,7 +50,7 @@ def save_checkpoint(path, model, optimizer, position, history, rank, device):
         for name in os.listdir(path):
             if re.fullmatch(r"step-\d+(\.tmp)?", name) and name != os.path.basename(done):
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-    dist.barrier()   # nobody goes on (or reads the checkpoint) before it is in place
+    dist.barrier()   # FSDP: nobody goes on (or reads the checkpoint) before it is in place
 
 def newest_checkpoint(path):
     """The complete checkpoint of the highest step in the folder `path`, or None."""
@@ -83,12 +83,12 @@ def load_checkpoint(path, model, optimizer, device, rank, world_size):
         try:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state}
-            dcp.load(state, checkpoint_id=folder)
+            dcp.load(state, checkpoint_id=folder)   # FSDP: own shards, resharded to this world size
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         except Exception as e:
             error = f"{folder}: {' '.join(str(e).split())[:400]} (rank {rank})"
     errors = [None] * world_size
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
     common.restore_rng(progress, device)
@@ -118,16 +118,28 @@ def shard(net, device, world_size, amp):
                  else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
     if amp:   # BatchNorm stays fp32 (its running statistics are; CPU kernels refuse a mix), bf16 out
         for norm in [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]:
-            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(   # FSDP: each BatchNorm
                 param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16))
     for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
-        fully_shard(stage, mesh=mesh, mp_policy=precision)
-    return fully_shard(net, mesh=mesh, mp_policy=precision)
+        fully_shard(stage, mesh=mesh, mp_policy=precision)   # FSDP: each stage
+    return fully_shard(net, mesh=mesh, mp_policy=precision)   # FSDP: the rest (stem, last layer)
 
 # ---------------------------------------------------------------- training
 def train(args):
-    rank, world_size, device = common.init_distributed(args.init_timeout)
-    master = rank == 0
+    # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), gloo between CPUs
+    if backend == "nccl":
+        common.check_gpu_count(processes_here, rank=rank)   # FSDP: one GPU per process
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        common.share_cores(processes_here)
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # FSDP: wait for all ranks
+                            rank=rank, world_size=world_size)
+    master = rank == 0   # FSDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
     data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
@@ -146,13 +158,11 @@ def train(args):
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     saved = load_checkpoint(args.checkpoint, model, optimizer, device, rank, world_size) if args.resume else None
     if saved:
-        position, metrics["epochs"] = {k: saved[k] for k in [*position, "drawn_from"]}, saved["history"]
-        if common.check_resumable(position, drawn_from, args, args.checkpoint, master):
-            dist.destroy_process_group()
+        position = common.resume_position(saved, drawn_from, args, steps_per_epoch, master)
+        metrics["epochs"] = saved["history"]
+        if position is None:   # nothing left to train
+            dist.destroy_process_group()   # FSDP: leave cleanly
             return None
-        if master:
-            print(f"resumed from {args.checkpoint}: {common.describe(position, steps_per_epoch)}, "
-                  f"step {position['step']}", flush=True)
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # FSDP: every rank writes its own shards
         save_checkpoint(args.checkpoint, model, optimizer, here, metrics["epochs"], rank, device)
@@ -189,8 +199,8 @@ def train(args):
         seconds = timer()
         if last < len(batches):   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, len(batches))
-        dist.all_reduce(totals)
-        common.broadcast_buffers(model)   # BatchNorm statistics: rank 0's, those model.pt holds
+        dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
+        common.broadcast_buffers(model)   # FSDP: BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
         test_acc = common.evaluate(model, X_test, y_test, device, rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
@@ -208,14 +218,13 @@ def train(args):
               f"optimizer state (of {sum(h['params'] for h in held) / 1e6:.1f} MB each, all of which "
               f"DDP keeps on every rank)", flush=True)
         common.finish(metrics, step, time.perf_counter() - start, state)
-    dist.destroy_process_group()
+    dist.destroy_process_group()   # FSDP: leave cleanly
     return state
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05)
-    p.add_argument("--amp", action="store_true", help="bf16 compute, fp32 gradient reduction (FSDP's mixed precision)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
+                           resnet=True, distributed=True)
     p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
                                         "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint)")
@@ -224,8 +233,6 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="go on from the newest checkpoint in --checkpoint, mid-epoch too, at any world size; "
                         "without one, start at step 0")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for every rank to join (collectives afterwards: torch's default)")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
     return args

@@ -34,7 +34,7 @@ fi
 
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
-  exec "$PY" -m pytest -q test_scripts.py
+  exec "$PY" -m pytest -q test_*.py
 elif [ "$mode" = bench ]; then
   exec "$PY" benchmarks/bench.py
 fi
@@ -50,9 +50,9 @@ smoke() {   # name, then the command
 }
 resnet="--batch-size 32 --max-steps 4 --train-samples 256 --test-samples 500"
 smoke scratch_lenet "$PY" scratch_lenet.py $small
-smoke scratch_lenet_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py $small
-smoke scratch_lenet_overlap "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py --devices 2 --overlap $small
-smoke scratch_lenet_zero "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_lenet.py --zero $small
+smoke scratch_ring "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_ring.py $small
+smoke scratch_ring_overlap "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_ring.py --devices 2 --overlap $small
+smoke scratch_ring_zero "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 scratch_ring.py --zero $small
 smoke ddp_toy "$PY" ddp_toy.py $small
 smoke ddp_toy_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_toy.py $small
 smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet

@@ -1,22 +1,19 @@
-"""Data parallelism from scratch: LeNet on Fashion-MNIST, nothing but tensors.
+"""Data parallelism from scratch: LeNet on Fashion-MNIST, nothing but tensors, in one process.
 
 Each replica holds its own copy of the parameters. A step splits the global batch across the
 replicas, each computes the gradient of its share, a hand-written allreduce sums the gradients so
 every replica holds the total, and every replica takes the same SGD step: the replicas stay equal,
 and the step equals the one a single device takes on the whole batch.
 
-    python scratch_lenet.py                       # N replicas in one process: every GPU, else 2 on CPU
-    torchrun --nproc_per_node=2 scratch_lenet.py  # one replica per process; a ring allreduce over
-                                                  # point-to-point send/recv, still by hand
-    torchrun --nproc_per_node=2 scratch_lenet.py --devices 2   # hierarchical: 2 replicas per
-                                                  # process sum in memory, then one ring between processes
-    ... --overlap                                 # send gradients while backward still runs
-    ... --zero                                    # each process updates 1/W of the parameters (ZeRO)
+    python scratch_lenet.py                       # N replicas: every GPU, else 2 on the CPU
+    python scratch_lenet.py --devices 4
+
+The next step, several processes (on one machine or many) and a ring allreduce written from
+send/recv, is scratch_ring.py: it imports the pieces below and adds only what processes need.
 """
-import argparse, math, os, sys, threading, time
+import argparse, math, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import common
 
@@ -63,56 +60,6 @@ def allreduce(data):
         data[i][:] = data[0].to(data[i].device)   # [:] writes into the replica's tensor; a plain
                                                   # `data[i] = ...` would only rebind the list slot
 
-def flatten(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-def unflatten_into(flat, tensors):
-    """Copy consecutive pieces of `flat` back into `tensors` (whatever their memory layout)."""
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-def owned_chunk(rank, world_size):
-    """The chunk whose full sum the reduce-scatter leaves on process `rank`."""
-    return (rank + 1) % world_size
-
-def _exchange(send_chunk, recv_buffer, rank, world_size):
-    # Both directions at once, so no process waits on another. The receive is posted first:
-    # gloo starts a send only once the peer has posted its receive, and with the sends first both
-    # directions took turns (twice the time of one message on a simulated 100 Mbit/s link).
-    ops = [dist.P2POp(dist.irecv, recv_buffer, (rank - 1) % world_size),
-           dist.P2POp(dist.isend, send_chunk, (rank + 1) % world_size)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-
-def ring_reduce_scatter(chunks, rank, world_size):
-    """The first half of a ring allreduce, in place on `chunks` (one per process): in W-1 steps
-    each process passes one chunk to its right neighbour and adds the one from its left. After
-    it, process r holds the full sum of chunk owned_chunk(r) (the other chunks hold partial sums)."""
-    for step in range(world_size - 1):
-        send, recv = (rank - step) % world_size, (rank - step - 1) % world_size
-        incoming = torch.empty_like(chunks[recv])
-        _exchange(chunks[send], incoming, rank, world_size)
-        chunks[recv] += incoming
-
-def ring_all_gather(chunks, rank, world_size):
-    """The second half: each process starts with chunk owned_chunk(rank) complete; W-1 steps pass
-    the finished chunks around until every process has all of them."""
-    for step in range(world_size - 1):
-        send, recv = (rank - step + 1) % world_size, (rank - step) % world_size
-        _exchange(chunks[send], chunks[recv], rank, world_size)
-
-def ring_allreduce(tensors, rank, world_size):
-    """Sum `tensors` over all processes, in place, by point-to-point messages around a ring: a
-    reduce-scatter, then an all-gather, on the flat data cut into world_size chunks (any length).
-    Each process sends 2(W-1)/W of the data, however many processes there are."""
-    flat = flatten(tensors)
-    chunks = list(flat.tensor_split(world_size))   # views of flat: the ring works on it in place
-    ring_reduce_scatter(chunks, rank, world_size)
-    ring_all_gather(chunks, rank, world_size)
-    unflatten_into(flat, tensors)
-
 def sgd(params, velocities, lr, batch_size, momentum=0.9):
     """SGD with momentum; every replica keeps its own velocities, equal since the gradients are."""
     with torch.no_grad():
@@ -134,158 +81,45 @@ def replica_step(X, y, W, forward):
 # for the whole run, so each keeps its OpenMP team.
 REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
 
-def sum_gradients(replicas, rank, world_size):
-    """Hierarchical, as across machines: the replicas of this process sum in memory first, then
-    one ring allreduce of that sum runs between processes, then the result goes back to this
-    process's replicas. Only one sum per process crosses the network."""
-    for i in range(len(replicas[0])):
-        allreduce([W[i].grad for W in replicas])
-    if world_size > 1:   # NEW with torchrun: sum across processes too, still by hand
-        ring_allreduce([p.grad for p in replicas[0]], rank, world_size)
-        for W in replicas[1:]:
-            for p, p0 in zip(W, replicas[0]):
-                p.grad[:] = p0.grad.to(p.device)
-
-class OverlappedAllreduce:
-    """--overlap: sum the gradients across processes while backward is still running, as DDP does.
-    The parameters are grouped into buckets in the order backward produces their gradients (last
-    layer first). When autograd has accumulated a parameter's gradient in every replica of this
-    process, a hook sums it in memory; a complete bucket goes to a communication thread, which runs
-    the ring allreduce on it while backward goes on with the earlier layers. Buckets are sent in
-    one fixed order, the same on every process, as the ring requires."""
-    def __init__(self, replicas, rank, world_size, bucket_bytes):
-        self.replicas, self.rank, self.world_size = replicas, rank, world_size
-        self.buckets, size = [[]], 0
-        for i in reversed(range(len(replicas[0]))):   # backward reaches the last layer first
-            if size >= bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(i)
-            size += replicas[0][i].numel() * replicas[0][i].element_size()
-        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
-        self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
-        self.lock = threading.Lock()
-        self._reset()
-        for W in replicas:
-            for i, p in enumerate(W):
-                p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
-
-    def _reset(self):
-        self.arrived = [0] * len(self.replicas[0])
-        self.missing = [len(bucket) for bucket in self.buckets]
-        self.next_bucket, self.sends = 0, []
-
-    def _grad_ready(self, i):   # inside backward, in the replica's thread
-        with self.lock:
-            self.arrived[i] += 1
-            if self.arrived[i] < len(self.replicas):
-                return
-            allreduce([W[i].grad for W in self.replicas])   # this process's replicas, in memory
-            self.missing[self.bucket_of[i]] -= 1
-            while self.next_bucket < len(self.buckets) and self.missing[self.next_bucket] == 0:
-                self.sends.append(self.comm.submit(self._send, self.buckets[self.next_bucket]))
-                self.next_bucket += 1
-
-    def _send(self, bucket):   # in the communication thread, while backward runs
-        with torch.no_grad():
-            ring_allreduce([self.replicas[0][i].grad for i in bucket], self.rank, self.world_size)
-            for W in self.replicas[1:]:
-                for i in bucket:
-                    W[i].grad.copy_(self.replicas[0][i].grad)
-
-    def wait(self):
-        """Block until every bucket is summed and back in every replica."""
-        for send in self.sends:
-            send.result()
-        self._reset()
-
-def zero_step(replicas, velocity, lr, global_batch, rank, world_size, momentum=0.9):
-    """--zero: the ring allreduce's two halves with the update between them (ZeRO). The
-    reduce-scatter leaves this process the summed gradient of one chunk; it updates that chunk of
-    the parameters alone, with momentum kept for that chunk alone (1/W of the optimizer state);
-    the all-gather then hands every process all the updated parameters. The bytes on the wire
-    are those of the allreduce."""
-    for i in range(len(replicas[0])):
-        allreduce([W[i].grad for W in replicas])   # this process's replicas first, in memory
-    grads, params = flatten([p.grad for p in replicas[0]]), flatten(replicas[0])
-    grad_chunks, param_chunks = list(grads.tensor_split(world_size)), list(params.tensor_split(world_size))
-    mine = owned_chunk(rank, world_size)
-    ring_reduce_scatter(grad_chunks, rank, world_size)
-    velocity.mul_(momentum).add_(grad_chunks[mine], alpha=1 / global_batch)   # as sgd(), on one chunk
-    param_chunks[mine] -= lr * velocity
-    ring_all_gather(param_chunks, rank, world_size)
-    for W in replicas:
-        unflatten_into(params.to(W[0].device), W)
-        for p in W:
-            p.grad.zero_()
-
-def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank=0, world_size=1,
-                forward=lenet, overlap=None, zero=False):
-    """One step on this process's share of the global batch; returns summed loss and hits.
-    `velocities`: one list per replica, or with zero=True this process's one chunk."""
+def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet):
+    """One step on the global batch; returns the summed loss and hits."""
     X_shards, y_shards = split_batch(X, y, devices)
-    # With --overlap, complete buckets are already being summed across processes during this.
     losses, hits = zip(*REPLICA_THREADS.map(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
     with torch.no_grad():
-        if zero:
-            zero_step(replicas, velocities[0], lr, global_batch, rank, world_size)
-        else:
-            overlap.wait() if overlap else sum_gradients(replicas, rank, world_size)
-            for W, V in zip(replicas, velocities):
-                sgd(W, V, lr, global_batch)
-    device0 = devices[0]
-    return sum(l.to(device0) for l in losses), sum(h.to(device0) for h in hits)
+        for i in range(len(replicas[0])):   # every parameter's gradient, summed over the replicas
+            allreduce([W[i].grad for W in replicas])
+        for W, V in zip(replicas, velocities):
+            sgd(W, V, lr, global_batch)
+    return sum(l.to(devices[0]) for l in losses), sum(h.to(devices[0]) for h in hits)
 
 # ---------------------------------------------------------------- training
-def train(args, devices, rank=0, world_size=1):
-    master = rank == 0
-    if master:
-        common.check_out_dir(args.out)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+def train(args, devices):
+    common.check_out_dir(args.out)
+    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
     if len(y_train) < args.batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
     # The training set lives on the first device (188 MB on a GPU): a step then gathers its batch
     # there, instead of on the CPU followed by a copy to the GPU.
     X_train, y_train = X_train.to(devices[0]), y_train.to(devices[0])
-    # Every process starts from the same seed, so all replicas start equal.
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
-    replicas = [get_params(init_params(args.seed), d, layout) for d in devices]
-    if args.zero:   # NEW with --zero: momentum only for the chunk of the parameters this process owns
-        flat = flatten([p.detach() for p in replicas[0]])
-        velocities = [torch.zeros_like(flat.tensor_split(world_size)[owned_chunk(rank, world_size)])]
-        held = velocities
-    else:           # every replica keeps momentum for every parameter
-        velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
-        held = sum(velocities, [])
-    overlap = OverlappedAllreduce(replicas, rank, world_size, args.bucket_kb * 1024) if args.overlap else None
+    replicas = [get_params(init_params(args.seed), d, layout) for d in devices]   # all equal
+    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]   # momentum, in every replica
     forward = torch.compile(lenet) if args.compile else lenet
-    backend = f"{dist.get_backend()} send/recv" if world_size > 1 else "hand-written allreduce"
-    metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(y_test))
-    metrics["optimizer_state_bytes"] = sum(v.numel() * v.element_size() for v in held)   # this process's
-    if master:
-        mode = (", gradients sent during backward in %d buckets" % len(overlap.buckets) if overlap else
-                ", ZeRO: reduce-scatter, update 1/W, all-gather" if args.zero else "")
-        print(f"scratch_lenet: {metrics['layout']} on {devices[0]} ({backend}{mode}), "
-              f"global batch {args.batch_size}", flush=True)
-        if args.zero:
-            model_bytes = sum(p.numel() * p.element_size() for p in replicas[0])
-            print(f"  optimizer state in this process: {metrics['optimizer_state_bytes']:,} bytes of momentum, "
-                  f"where every replica keeps {model_bytes:,} without --zero; each process sends "
-                  f"2(W-1)/W = {2 * (world_size - 1) / world_size:.2f} x the model's bytes per step, as the "
-                  f"allreduce does", flush=True)
+    metrics = common.new_metrics(__file__, args, devices, "hand-written allreduce", 1, len(y_test))
+    print(f"scratch_lenet: {metrics['layout']} on {devices[0]} (hand-written allreduce), "
+          f"global batch {args.batch_size}", flush=True)
     total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
-        progress = common.Progress(epoch, len(batches), master, last=min(len(batches), total_steps - step))
+        progress = common.Progress(epoch, len(batches), True, last=min(len(batches), total_steps - step))
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
         for batch_in_epoch, idx in enumerate(batches, 1):
-            idx = idx.tensor_split(world_size)[rank]   # this process's share of the global batch
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
             loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
-                                     args.batch_size, rank, world_size, forward, overlap, args.zero)
+                                     args.batch_size, forward)
             totals[:2] += torch.stack([loss, hits.float()])
             totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
@@ -293,67 +127,45 @@ def train(args, devices, rank=0, world_size=1):
             if step == args.max_steps:
                 break
         seconds = timer()
-        if world_size > 1:
-            ring_allreduce([totals], rank, world_size)
-        test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0],
-                                   rank, world_size)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0])
+        common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
-    if master:
-        common.finish(metrics, step, time.perf_counter() - start,
-                      {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
+    common.finish(metrics, step, time.perf_counter() - start,
+                  {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas
 
 # ---------------------------------------------------------------- command line
-def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=10, batch_size=256, lr=0.05)
-    p.add_argument("--devices", type=common.positive_int,
-                   help="replicas in this process (default: every GPU, else 2 on the CPU; under "
-                        "torchrun 1, and process r drives GPUs r*K .. r*K+K-1 of its node)")
-    p.add_argument("--overlap", action="store_true",
-                   help="under torchrun: send each bucket of gradients as soon as backward has made it")
-    p.add_argument("--bucket-kb", type=common.positive_float, default=128,
-                   help="with --overlap: gradient kilobytes per bucket (1 gives one bucket per layer)")
-    p.add_argument("--zero", action="store_true",
-                   help="under torchrun: each process updates 1/W of the parameters and keeps 1/W "
-                        "of the optimizer state (ZeRO)")
+def add_lenet_flags(p):
+    """The flags of the LeNet itself, which scratch_ring.py shares."""
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward pass (needs a C++ compiler on CPU; see the README)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="NHWC layout for the convolutions (default: on; faster on CPU, see the README)")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for the other processes under torchrun")
+
+def parse_args(argv=None):
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=10, batch_size=256, lr=0.05)
+    p.add_argument("--devices", type=common.positive_int,
+                   help="replicas in this process (default: every GPU, else 2 on the CPU)")
+    add_lenet_flags(p)
     args = p.parse_args(argv)
-    torchrun = "RANK" in os.environ
-    if (args.overlap or args.zero) and not torchrun:
-        p.error("--overlap and --zero work between processes: start the script with torchrun")
-    if args.overlap and args.zero:
-        p.error("--overlap and --zero: choose one (this ZeRO sends its two halves after backward)")
-    if not torchrun and args.devices and torch.cuda.is_available() and args.devices > torch.cuda.device_count():
+    if args.devices and torch.cuda.is_available() and args.devices > torch.cuda.device_count():
         p.error(f"--devices {args.devices}: only {torch.cuda.device_count()} GPUs here")
-    args.devices = args.devices or (1 if torchrun else torch.cuda.device_count() or 2)
-    replicas = args.devices * (int(os.environ["WORLD_SIZE"]) if torchrun else 1)
-    if args.batch_size < replicas:
-        p.error(f"--batch-size {args.batch_size} is smaller than the {replicas} replicas: each needs a sample")
+    args.devices = args.devices or torch.cuda.device_count() or 2
+    if args.batch_size < args.devices:
+        p.error(f"--batch-size {args.batch_size} is smaller than the {args.devices} replicas: each needs a sample")
     return args
 
 def main(argv=None):
+    if "RANK" in os.environ:   # started by torchrun: that is the next lesson's job
+        sys.exit("scratch_lenet.py runs its replicas in one process; under torchrun run scratch_ring.py"
+                 if os.environ["RANK"] == "0" else 2)
     args = parse_args(argv)
     # Float32 convolutions on GPUs too (PyTorch's default there is TF32, 10-bit mantissas): then
     # N replicas match one device up to float rounding, as on the CPU.
     torch.backends.cudnn.allow_tf32 = False
-    if "RANK" in os.environ:   # NEW with torchrun: --devices replicas per process (default 1)
-        rank, world_size, device = common.init_distributed(args.init_timeout, args.devices)
-        devices = ([torch.device("cuda", device.index + i) for i in range(args.devices)]
-                   if device.type == "cuda" else [device] * args.devices)
-        try:
-            return train(args, devices, rank, world_size)
-        finally:
-            dist.destroy_process_group()
-    gpus = common.try_all_gpus()
-    if gpus[0].type == "cuda":
-        devices = gpus[: args.devices]
+    if torch.cuda.is_available():
+        devices = [torch.device("cuda", i) for i in range(args.devices)]
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
         common.share_cores(args.devices)

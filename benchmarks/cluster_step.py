@@ -5,8 +5,8 @@ prints one JSON line: seconds per step (the median of --repeats means of --steps
 --warmup steps; the variants take turns) for each variant:
 
   lenet:  compute (this process's replicas, summed in memory, no network), comm (the ring
-          allreduce of the gradients alone), forward, after_backward (scratch_lenet's step: the ring
-          after backward), overlap (scratch_lenet --overlap), and with one replica per process
+          allreduce of the gradients alone), forward, after_backward (scratch_ring's step: the ring
+          after backward), overlap (scratch_ring --overlap), and with one replica per process
           ddp (DistributedDataParallel on the same LeNet, same bucket size)
   resnet: compute (DDP under no_sync: no communication), comm (one allreduce of all gradients),
           ddp (default 25 MB buckets), ddp_one_bucket (a bucket larger than the model: the
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common, scratch_lenet
+import common, scratch_lenet, scratch_ring
 
 
 def timed(variants, args):
@@ -62,12 +62,12 @@ def lenet(args, rank, world_size, results):
 
     W, V = replicas()
     W2, V2 = replicas()   # the overlap's own: its hooks stay on the replicas they were put on
-    overlap = scratch_lenet.OverlappedAllreduce(W2, rank, world_size, args.bucket_kb * 1024)
-    step = lambda W, V, **kw: scratch_lenet.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
+    overlap = scratch_ring.OverlappedAllreduce(W2, rank, world_size, args.bucket_kb * 1024)
+    step = lambda W, V, **kw: scratch_ring.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
     variants = {
         "compute": lambda: step(W, V, rank=0, world_size=1),   # summed in memory, no network
         "forward": lambda: list(scratch_lenet.REPLICA_THREADS.map(scratch_lenet.lenet, X.tensor_split(len(devices)), W)),
-        "comm": lambda: scratch_lenet.ring_allreduce([p.grad for p in W[0]], rank, world_size),
+        "comm": lambda: scratch_ring.ring_allreduce([p.grad for p in W[0]], rank, world_size),
         "after_backward": lambda: step(W, V, rank=rank, world_size=world_size),
         "overlap": lambda: step(W2, V2, rank=rank, world_size=world_size, overlap=overlap),
     }
@@ -84,7 +84,7 @@ def lenet(args, rank, world_size, results):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         variants.update(ddp=ddp_step, ddp_compute=ddp_compute, ddp_comm=lambda: dist.all_reduce(flat))
     results.update(timed(variants, args))
-    tiny = timed({"alpha": lambda: scratch_lenet.ring_allreduce([torch.zeros(1)], rank, world_size)}, args)
+    tiny = timed({"alpha": lambda: scratch_ring.ring_allreduce([torch.zeros(1)], rank, world_size)}, args)
     results["alpha"] = tiny["alpha"] / max(1, 2 * (world_size - 1))
     results["buckets"] = [sum(4 * W2[0][i].numel() for i in bucket) for bucket in overlap.buckets]
     results["bytes"] = sum(4 * p.numel() for p in params)
