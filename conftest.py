@@ -1,0 +1,179 @@
+"""What the test files share: paths, the small sizes the scripts run at, running a README command,
+comparing weights, and the runs several tests compare against (fixtures, each run once)."""
+import copy, json, os, subprocess, sys, time
+import pytest
+import torch
+import torch.nn.functional as F
+import common
+import scratch_lenet
+import simulated_cluster
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
+import local_slurm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+DATA = os.path.join(HERE, "data")
+
+
+SMALL = ["--train-samples", "1024", "--test-samples", "300", "--data-dir", DATA]
+
+
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}   # downloads fail at once
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # torchrun's setting with 2+ workers; see resnet_reference
+RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16", "--max-steps", "2",
+          "--data-dir", DATA]
+TOY = ["--epochs", "3", "--train-samples", "600", "--test-samples", "301", "--batch-size", "48"]
+PREEMPTIBLE = ["--epochs", "2", "--train-samples", "96", "--batch-size", "16", "--test-samples", "50",
+               "--data-dir", DATA, "--checkpoint-every", "2"]   # 6 steps an epoch
+NO_CLUSTER = simulated_cluster.unavailable()   # None here as root with ip, tc and ethtool
+NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (.ci/run installs them)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fashion_mnist():
+    problem = common.prepare_fashion_mnist(DATA)
+    assert problem is None, problem
+
+
+def run(command, *, env=None, timeout=300):
+    """Run a README command (small sizes through flags) from the repo root."""
+    if command[0] in ("python", "torchrun"):
+        command = ([sys.executable] if command[0] == "python" else
+                   [sys.executable, "-m", "torch.distributed.run"]) + command[1:]
+    return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+
+def assert_ok(result):
+    """The command exited 0; if not, show the end of what it said."""
+    assert result.returncode == 0, (result.stderr or result.stdout)[-3000:]
+
+
+def load_model(out):
+    return torch.load(os.path.join(out, "model.pt"), map_location="cpu")
+
+
+def assert_same_weights(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= tol, name
+
+
+
+def resnet_step(weights):
+    """The step from ResNet-18's initial weights (seed 0) to `weights`, as one flat vector of its
+    parameters: steps that are not equal (bf16, compiled kernels) are compared by direction."""
+    start = common.fashion_resnet18(0).state_dict()
+    names = [name for name, _ in common.fashion_resnet18(0).named_parameters()]
+    return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
+
+
+def resnet_reference(shards, steps=2, lr=0.05):
+    """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
+    buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
+    as each torchrun worker has: early ResNet steps amplify the rounding of other summation
+    orders from 1e-7 to 1e-4 within two steps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _resnet_reference(shards, steps, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _resnet_reference(shards, steps, lr):
+    X_train, y_train = common.load_fashion_mnist(DATA, 64, 1)["train"]
+    net = common.fashion_resnet18(0)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+    for idx in common.epoch_batches(64, 16, seed=0, epoch=1)[:steps]:
+        net.zero_grad(set_to_none=True)
+        replicas = [copy.deepcopy(net) for _ in range(shards)]
+        for replica, part in zip(replicas, idx.view(shards, -1)):
+            F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
+        for name, p in net.named_parameters():
+            p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
+        for name, b in net.named_buffers():
+            b.copy_(dict(replicas[0].named_buffers())[name])
+        optimizer.step()
+    return net.state_dict()
+
+
+def children_of(pid):
+    """Pids whose parent is `pid`, read from /proc: how the tests find a worker, never by name."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def wait_for(condition, seconds, what):
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.2)
+
+
+def read(path):
+    return path.read_text() if path.exists() else ""
+
+
+def running(pid):
+    """Whether the process exists and is not a zombie (one waiting for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- runs several tests compare against
+@pytest.fixture(scope="module")
+def scratch_one_replica(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("scratch1"))
+    scratch_lenet.main(SMALL + ["--devices", "1", "--max-steps", "6", "--batch-size", "96", "--out", out])
+    return load_model(out)
+
+
+@pytest.fixture(scope="module")
+def toy_one_rank(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy1")
+    result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
+    assert_ok(result)
+    return load_model(out)
+
+
+@pytest.fixture(scope="module")
+def resnet_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(out)] + PREEMPTIBLE)
+    assert_ok(result)
+    return load_model(out)
+
+
+@pytest.fixture(scope="module")
+def resnet_8_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eight_steps")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "8",
+                  "--out", str(out)] + PREEMPTIBLE)
+    assert_ok(result)
+    return load_model(out)
+
+
+@pytest.fixture(scope="module")
+def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
+    """A checkpoint written at step 2 of 6 in epoch 1 by 2 ranks (global batch 16, seed 0, 96 samples)."""
+    out = tmp_path_factory.mktemp("mid_epoch")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "2",
+                  "--out", str(out)] + PREEMPTIBLE)
+    assert_ok(result)
+    assert "checkpoint: step 2 (epoch 1, batch 2/6)" in result.stdout
+    return out / "checkpoint.pt"
+

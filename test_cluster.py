@@ -1,0 +1,144 @@
+"""Several machines: the simulated cluster (network namespaces, each node with its own address)
+and a real SLURM on this host. Both need root; without it they are skipped with the reason."""
+import json, os, shutil, socket, subprocess, sys, time
+import pytest
+import common
+import local_slurm
+import simulated_cluster
+from conftest import (DATA, HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, SMALL, TOY, assert_ok, assert_same_weights,
+                      load_model, read, running, wait_for)
+
+# ---------------------------------------------------------------- the simulated cluster
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_path):
+    """The command line of simulated_cluster.py: two nodes with their own addresses and 1 Gbit/s
+    links, one torchrun per node, rendezvous at node 0's address."""
+    torchrun = f"{sys.executable} -m torch.distributed.run"
+    result = run(["python", "simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"] + torchrun.split() +
+                 ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
+                  f"--master-port={common.free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
+    assert_ok(result)
+    assert_same_weights(load_model(tmp_path / "node0"), toy_one_rank)
+    assert not (tmp_path / "node1").exists()   # rank 0 alone writes
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_scratch_hierarchical_on_two_simulated_nodes_trains_like_one_device(scratch_one_replica, tmp_path):
+    port = common.free_port()
+    with simulated_cluster.SimulatedCluster(2, rate_mbit=300) as cluster:
+        jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                  f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
+                                  "scratch_ring.py", "--devices", "2", "--overlap", "--out", str(tmp_path)] + SMALL +
+                              ["--max-steps", "6", "--batch-size", "96"],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i in range(2)]
+        for job in jobs:
+            _, err = job.communicate(timeout=300)
+            assert job.returncode == 0, err[-3000:]
+    assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-6)
+    assert json.load(open(tmp_path / "metrics.json"))["layout"] == "2 processes x 2 replicas"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in namespaces for name in cluster.names + [cluster.switch])   # all deleted
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_simulated_cluster_is_deleted_after_an_error():
+    with pytest.raises(RuntimeError):
+        with simulated_cluster.SimulatedCluster(2) as cluster:
+            sleeper = cluster.popen(1, ["sleep", "600"])
+            raise RuntimeError("a failing run")
+    assert sleeper.poll() is not None   # what it started was stopped
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in namespaces for name in cluster.names + [cluster.switch])
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_simulated_cluster_killed_with_sigterm_deletes_its_nodes_and_their_processes(tmp_path):
+    """A command whose node runs a process that starts a child in a session of its own, as
+    torchrun starts its workers."""
+    child_pid = tmp_path / "child.pid"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+              f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    job = subprocess.Popen([sys.executable, "simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
+                           cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not child_pid.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    mine = [line.split()[0] for line in names.splitlines() if line.startswith(f"dpc{job.pid}-")]
+    assert len(mine) == 3, names   # two nodes and the switch
+    job.terminate()
+    assert job.wait(timeout=30) == 143
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in names for name in mine)
+    assert not running(int(child_pid.read_text()))   # the child was stopped too
+
+
+def test_simulated_cluster_without_root_says_why_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    reason = "simulated cluster: needs root (or CAP_NET_ADMIN) to create network namespaces"
+    assert simulated_cluster.unavailable() == reason
+    with pytest.raises(SystemExit) as exit_info:
+        simulated_cluster.main(["--nodes", "2", "--", "true"])
+    assert exit_info.value.code == reason   # printed to stderr, exit status 1
+
+
+# ---------------------------------------------------------------- a real SLURM
+@pytest.mark.skipif(NO_SLURM is not None or NO_CLUSTER is not None, reason=str(NO_SLURM or NO_CLUSTER))
+@pytest.mark.parametrize("stop", ["signal ahead of the time limit", "scontrol requeue"])
+def test_slurm_job_stopped_requeues_once_resumes_and_ends_with_uninterrupted_weights(stop, resnet_uninterrupted, tmp_path):
+    """examples/slurm_ddp_resnet.sbatch as submitted on a cluster: two nodes with their own
+    addresses (each slurmd in a node of a simulated cluster) whose hostname resolves elsewhere
+    (a loopback address here), one torchrun each, c10d rendezvous on the first."""
+    out, log = tmp_path / "out", tmp_path / "job.out"
+    with simulated_cluster.SimulatedCluster(2) as cluster, local_slurm.LocalSlurm(cluster=cluster) as slurm:
+        resolved = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        assert not resolved & set(cluster.addresses), resolved   # torchrun's own guess cannot work
+        submitted = slurm.run("sbatch", f"--output={log}", "--gpus-per-node=0", "--cpus-per-task=1",
+                              f"--export=ALL,PYTHON={sys.executable},OUT={out},RDZV_PORT={common.free_port()},"
+                              f"GLOO_SOCKET_IFNAME=eth0,PYTHONUNBUFFERED=1",
+                              "examples/slurm_ddp_resnet.sbatch", *PREEMPTIBLE, cwd=HERE)
+        job = submitted.stdout.split()[-1]
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, f"the first checkpoint:\n{read(log)[-3000:]}")
+        if stop == "scontrol requeue":   # what preemption with requeue does: SIGTERM to every process
+            slurm.run("scontrol", "requeue", job)
+        else:                            # what --signal=B:USR1@90 sends 90 s before the time limit
+            slurm.run("scancel", "--batch", "--signal=USR1", job)
+        wait_for(lambda: slurm.job(job)["JobState"] == "PENDING", 120, "the requeue")
+        # SLURM would start it again after about 90 s; here at once, once the first run is gone
+        # and a second has passed: slurmd refuses a job whose credential was revoked (by the
+        # requeue) in the second the new one is made ("Job credential revoked").
+        wait_for(slurm.idle, 120, "the first run's end")
+        time.sleep(2)
+        slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+        wait_for(lambda: slurm.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+                 300, "the restarted job")
+        info = slurm.job(job)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-3000:])
+    signal_name = "SIGTERM" if stop == "scontrol requeue" else "SIGUSR1"
+    assert f"stopped by {signal_name} at step" in text, text[-3000:]
+    assert text.count("requeueing job") == (1 if signal_name == "SIGUSR1" else 0)   # SLURM requeues on its own
+    assert f"restart 1 of job {job}" in text and "resumed from" in text
+    assert_same_weights(load_model(out), resnet_uninterrupted, tol=1e-6)
+
+
+@pytest.mark.skipif(NO_SLURM is not None, reason=str(NO_SLURM))
+def test_slurm_job_that_asked_for_gpus_and_sees_none_stops_saying_so(tmp_path):
+    """SLURM gives the job 2 GPUs per node (by count, with no devices behind them): the batch
+    script stops before any training instead of going on with gloo on CPU."""
+    log = tmp_path / "job.out"
+    with local_slurm.LocalSlurm(gpus_per_node=2) as slurm:
+        submitted = slurm.run("sbatch", f"--output={log}", "--gpus-per-node=2", "--cpus-per-task=1",
+                              f"--export=ALL,PYTHON={sys.executable},OUT={tmp_path / 'out'}",
+                              "examples/slurm_ddp_resnet.sbatch", *PREEMPTIBLE, cwd=HERE)
+        job = submitted.stdout.split()[-1]
+        wait_for(lambda: slurm.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+                 120, "the job's end")
+        info = slurm.job(job)
+    assert info["JobState"] == "FAILED", (info, read(log))
+    assert "the job has 2 GPU(s) per node from SLURM, but torch sees 0" in read(log)
+    assert "ddp_resnet:" not in read(log) and not (tmp_path / "out").exists()
+

@@ -1,0 +1,275 @@
+"""Faults, preemption and bad input: checkpoints and resuming (mid-epoch, other world sizes, a
+rank that alone sees the file, crashes mid-write), signals, killed workers, timeouts, ports,
+unusable folders and numbers. Run by `bash run_all.sh test`."""
+import json, os, re, shutil, signal, subprocess, sys, threading, time
+import pytest
+import torch
+import common
+import ddp_resnet
+import ddp_toy
+import fsdp_resnet
+from conftest import (DATA, HERE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
+                      load_model, read, run, wait_for)
+
+# ---------------------------------------------------------------- preemption and resuming
+@pytest.mark.parametrize("script, signalled", [("ddp_resnet.py", "rank 1 alone"), ("ddp_resnet.py", "every rank"),
+                                               ("fsdp_resnet.py", "rank 1 alone")])
+def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_same(script, signalled, resnet_uninterrupted, tmp_path):
+    """The handler only notes the signal; the ranks agree at a step boundary (so a rank signalled
+    alone does not leave the other waiting), the checkpoint is written, all exit with status 75.
+    FSDP's uninterrupted weights are DDP's (tested above)."""
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                script, "--out", str(tmp_path)] + PREEMPTIBLE, cwd=HERE, stdout=f,
+                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+        workers = sorted(children_of(job.pid))
+        assert len(workers) == 2, workers
+        for pid in workers[1:] if signalled == "rank 1 alone" else workers:
+            os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=120)
+    text = read(log)
+    assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
+    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert 2 <= stopped_at < 6   # inside the first epoch
+    resumed = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--resume", "--out",
+                   str(tmp_path)] + PREEMPTIBLE)
+    assert_ok(resumed)
+    assert f"epoch 1 at batch {stopped_at}/6, step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert [e["samples"] for e in metrics["epochs"]] == [96, 96]   # the interrupted epoch counted once
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
+def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(script, resnet_8_steps, tmp_path):
+    """--max-steps 3 stops inside epoch 1 and leaves a checkpoint of step 3; a cap at or below it
+    stops at once; --resume --max-steps 8 ends with the weights of one --max-steps 8 run. For
+    FSDP, the folder also holds what crashes leave: an older complete checkpoint (step-1, made
+    unreadable here, so loading it would fail) and a newer one half written (step-9.tmp)."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script, "--out", str(tmp_path)] + PREEMPTIBLE
+    first = run(torchrun + ["--max-steps", "3"])
+    assert_ok(first)
+    assert "checkpoint: step 3 (epoch 1, batch 3/6)" in first.stdout
+    capped = run(torchrun + ["--resume", "--max-steps", "2"])
+    assert_ok(capped)
+    assert "nothing to train" in capped.stdout and "at step 3, at or past --max-steps 2" in capped.stdout
+    assert "done:" not in capped.stdout
+    if script == "fsdp_resnet.py":
+        (tmp_path / "checkpoint" / "step-00000001").mkdir()
+        (tmp_path / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
+        (tmp_path / "checkpoint" / "step-00000009.tmp").mkdir()
+    resumed = run(torchrun + ["--resume", "--max-steps", "8"])
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and "epoch 1 at batch 3/6, step 3" in resumed.stdout
+    assert "done: 8 steps" in resumed.stdout
+    assert_same_weights(load_model(tmp_path), resnet_8_steps, tol=1e-6)
+    assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 32]
+    if script == "fsdp_resnet.py":   # only the newest is kept
+        assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-00000008"]
+
+
+def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(resnet_uninterrupted, tmp_path):
+    """SIGKILL (no handler can run) mid-epoch under torchrun --max-restarts=1: the workers restart
+    from the last --checkpoint-every checkpoint, inside the epoch, recomputing fewer than K steps."""
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--max-restarts=1", "ddp_resnet.py", "--resume", "--out", str(tmp_path)] + PREEMPTIBLE,
+                           cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(240, job.kill)   # a hung job fails the test instead of CI
+    watchdog.start()
+    lines = []
+    for line in job.stdout:   # --checkpoint-every 2: steps 2 and 4 are checkpointed inside epoch 1
+        lines.append(line)
+        if line.startswith("  checkpoint: step 4 "):
+            break
+    workers = children_of(job.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    lines += job.stdout.readlines()
+    assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    watchdog.cancel()
+    log = "".join(lines)
+    assert "resumed from" in log and "epoch 1 at batch 4/6, step 4" in log, log[-3000:]   # 4 = the last checkpoint
+    assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
+    assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 96]
+
+
+def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
+    """Node-local disks: two torchrun "nodes" in folders of their own, the checkpoint (a relative
+    path) only in node 0's. Rank 0 reads it and sends it on; both ranks go on from step 2."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        (folder / "out").mkdir(parents=True)
+    shutil.copy(mid_epoch_checkpoint_of_2_ranks, folders[0] / "out" / "checkpoint.pt")
+    port = common.free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               os.path.join(HERE, "ddp_resnet.py"), "--resume", "--out", "out"] + PREEMPTIBLE,
+                              cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **ONE_THREAD})
+             for i, folder in enumerate(folders)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    assert "resumed from out/checkpoint.pt: epoch 1 at batch 2/6, step 2" in outputs[0][0]
+    assert_same_weights(load_model(folders[0] / "out"), resnet_uninterrupted, tol=1e-6)
+
+
+@pytest.mark.parametrize("flags, differs", [(["--batch-size", "32"], "global batch 16 there, 32 here"),
+                                            (["--seed", "1"], "seed 0 there, 1 here"),
+                                            (["--train-samples", "128"], "training samples 96 there, 128 here")])
+def test_mid_epoch_checkpoint_of_other_batches_is_refused(flags, differs, mid_epoch_checkpoint_of_2_ranks, tmp_path):
+    result = run(["python", "ddp_resnet.py", "--resume", "--checkpoint", str(mid_epoch_checkpoint_of_2_ranks),
+                  "--out", str(tmp_path)] + PREEMPTIBLE + flags)
+    assert result.returncode != 0
+    assert "it stopped inside epoch 1, and this run draws other batches" in result.stderr
+    assert differs in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
+    """Same global batch, same batches: 1 process with 2 micro-batches (the per-rank BatchNorm of
+    2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    shutil.copy(mid_epoch_checkpoint_of_2_ranks, checkpoint)
+    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE,
+                 env=ONE_THREAD)
+    assert_ok(result)
+    assert "epoch 1 at batch 2/6, step 2" in result.stdout
+    got, params = load_model(tmp_path), dict(common.fashion_resnet18(0).named_parameters())
+    assert_same_weights({k: got[k] for k in params}, {k: resnet_uninterrupted[k] for k in params})
+
+
+def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
+    """Each rank writes its own shard; 1 or 3 ranks read them back into their own shards (DCP
+    reshards), and the whole model they then hold is the one the 2 ranks saved."""
+    flags = ["--train-samples", "48", "--batch-size", "12", "--test-samples", "50", "--data-dir", DATA]
+    saved = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--epochs", "1"] + flags +
+                ["--out", str(tmp_path)], env=ONE_THREAD)
+    assert_ok(saved)
+    newest = fsdp_resnet.newest_checkpoint(str(tmp_path / "checkpoint"))
+    assert newest.endswith("step-00000004"), newest   # 48 samples, 12 a step: 4 steps
+    shards = sorted(p.name for p in (tmp_path / "checkpoint" / newest).iterdir() if p.suffix == ".distcp")
+    assert len(shards) == 2, shards   # one file per rank
+    for nproc in (1, 3):
+        loaded = tmp_path / f"loaded{nproc}.pt"
+        result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "torchrun_checks.py", "fsdp-load",
+                      str(tmp_path / "checkpoint"), str(loaded)], env=ONE_THREAD)
+        assert_ok(result)
+        assert_same_weights(torch.load(loaded), load_model(tmp_path), tol=0)
+    resumed = run(["torchrun", "--standalone", "--nproc_per_node=3", "fsdp_resnet.py", "--epochs", "2", "--resume"] +
+                  flags + ["--out", str(tmp_path)], env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "epoch 1 done, step 4" in resumed.stdout
+    assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
+def test_resume_without_a_checkpoint_says_so_once_and_starts_at_step_0(script, tmp_path):
+    """A mistyped --checkpoint, or an empty checkpoint folder: rank 0 says so in one line."""
+    checkpoint = tmp_path / ("checkpoint" if script == "fsdp_resnet.py" else "checkpont.pt")
+    if script == "fsdp_resnet.py":
+        checkpoint.mkdir()
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--resume", "--checkpoint", str(checkpoint),
+                  "--out", str(tmp_path)] + RESNET + ["--max-steps", "1"], env=ONE_THREAD)
+    assert_ok(result)
+    said = f"no checkpoint {'in' if script == 'fsdp_resnet.py' else 'at'} {checkpoint}: training starts from step 0"
+    assert result.stdout.count(said) == 1, result.stdout
+    assert "done: 1 steps" in result.stdout
+
+
+@pytest.mark.parametrize("bad", ["not-a-checkpoint", "another-model"])
+def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
+    checkpoint = tmp_path / "checkpoint.pt"
+    if bad == "not-a-checkpoint":
+        checkpoint.write_bytes(b"these bytes are no checkpoint")
+        expected = f"cannot resume from {checkpoint}"
+    else:
+        torch.save({"arch": "fashion_resnet18", "model": ddp_toy.ToyMLP().state_dict()}, checkpoint)
+        expected = "Missing key(s) in state_dict"
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--resume", "--checkpoint",
+                  str(checkpoint), "--out", str(tmp_path)] + RESNET)
+    assert result.returncode != 0
+    assert result.stderr.count(expected) == 1, result.stderr[-3000:]   # rank 0 alone says it
+    assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)   # torchrun's own report aside, no traceback
+
+
+def test_checkpoint_every_must_be_positive(capsys):
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit) as exit_info:
+            ddp_resnet.parse_args(["--checkpoint-every", value])
+        assert exit_info.value.code == 2
+        assert f"argument --checkpoint-every: must be positive, got {value}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- joining, timeouts, ports, bad input
+def test_short_rendezvous_timeout_leaves_collectives_their_own():
+    """--init-timeout 2 bounds the rendezvous only: rank 0 then works 6 s (a slow checkpoint)
+    while rank 1 waits in a barrier, and both go on."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "torchrun_checks.py", "slow-barrier", "2", "6"],
+                 timeout=120)
+    assert_ok(result)
+    assert result.stdout.count("barrier passed") == 2
+
+
+def test_partner_that_never_comes_gives_an_error_not_a_hang():
+    port = common.free_port()
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    started = time.time()
+    result = run(["python", "ddp_toy.py", "--init-timeout", "3"], env=env, timeout=60)
+    took = time.time() - started
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert took < 3 + 15   # the timeout, plus starting Python and importing torch
+
+
+def test_two_jobs_side_by_side_both_finish(tmp_path):
+    commands = [[sys.executable, "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"]]
+    jobs = [subprocess.Popen(c + ["--out", str(tmp_path / str(i))], cwd=HERE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i, c in enumerate(commands)]
+    for job in jobs:
+        _, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-3000:]
+
+
+def test_data_is_prepared_once_by_rank_zero(tmp_path):
+    fresh = tmp_path / "fresh"
+    result = run(["torchrun", "--standalone", "--nproc_per_node=3", "scratch_ring.py", "--data-dir", str(fresh),
+                  "--max-steps", "1", "--train-samples", "300", "--test-samples", "30", "--out", str(tmp_path / "out")])
+    assert_ok(result)
+    files = sorted(p.name for p in fresh.rglob("*") if p.is_file())
+    assert not any(".tmp" in f for f in files), files
+    assert len(common.load_fashion_mnist(str(fresh))["train"][1]) == 60000
+
+
+@pytest.mark.parametrize("case", ["data-dir-is-a-file", "out-not-writable"])
+def test_unusable_folders_are_named(case, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    flags = (["--data-dir", str(blocker)] if case == "data-dir-is-a-file" else
+             ["--data-dir", DATA, "--out", str(blocker / "out")])
+    result = run(["python", "ddp_resnet.py", "--max-steps", "1"] + flags, env=OFFLINE)
+    assert result.returncode != 0
+    assert str(blocker) in result.stderr and "error:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_batch_not_dividing_by_world_size_is_stated(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "3", "--batch-size", "50", "--epochs", "1",
+                  "--out", str(tmp_path)])
+    assert_ok(result)
+    assert "does not divide by 3 ranks: each takes 16, a global batch of 48" in result.stdout
+
+
+def test_world_size_larger_than_the_data_is_refused(tmp_path):
+    result = run(["python", "ddp_toy.py", "--world-size", "8", "--train-samples", "5", "--batch-size", "8",
+                  "--out", str(tmp_path)])
+    assert result.returncode != 0
+    assert "5 training samples are fewer than one global batch of 8" in result.stderr
+    assert "Traceback" not in result.stderr
+

@@ -1,0 +1,66 @@
+"""The README says what is true: the tests it cites exist, its commands name files and flags that
+exist, and the tags that mark distribution-only lines come from the list it gives."""
+import glob, os, re
+import pytest
+from conftest import HERE
+
+SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet")
+# The tag of each script's distribution-only lines; the README lists the same.
+TAGS = {"scratch_ring": "RING", "dp_resnet": "DP", "ddp_toy": "DDP", "ddp_resnet": "DDP", "fsdp_resnet": "FSDP"}
+TAG = re.compile(r"(?<!`)#\s*([A-Z]{2,}[\w ]*?):\s")   # "# DDP: ..."; not "`# DDP:`" in prose
+COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|broadcast_buffers\(|fully_shard\(|\bDDP\(|"
+                          r"nn\.DataParallel\(|dcp\.(save|load)\(")
+
+def readme_commands():
+    """(script, arguments, launched by torchrun) for every command in README.md's code blocks."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    blocks = text.split("```")[1::2]
+    for line in (l.split(" #")[0].strip() for block in blocks for l in block.splitlines()[1:]):
+        words = line.split()
+        scripts = [i for i, w in enumerate(words) if w.endswith((".py", ".sbatch", ".sh"))]
+        if scripts:
+            i = scripts[-1]   # the script torchrun, sbatch or simulated_cluster.py runs
+            yield words[i], words[i + 1:], "torchrun" in words[:i]
+
+
+def test_readme_cites_only_tests_that_exist():
+    cited = set(re.findall(r"`(test_\w+)`", open(os.path.join(HERE, "README.md")).read()))
+    defined = {name for path in glob.glob(os.path.join(HERE, "test_*.py"))
+               for name in re.findall(r"^def (test_\w+)", open(path).read(), re.M)}
+    assert cited and cited <= defined, cited - defined
+
+
+def test_readme_commands_name_files_and_flags_that_exist(monkeypatch, capsys):
+    commands = list(readme_commands())
+    assert len(commands) >= 10
+    for script, argv, torchrun in commands:
+        assert os.path.isfile(os.path.join(HERE, script)), script
+        module = "ddp_resnet" if script.endswith(".sbatch") else os.path.splitext(script)[0]   # it runs ddp_resnet.py
+        if module not in SCRIPTS:
+            continue
+        if torchrun or script.endswith(".sbatch"):   # how a script sees torchrun: flags valid only there
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "2")
+        else:
+            monkeypatch.delenv("RANK", raising=False)
+        try:
+            __import__(module).parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README: {script} {' '.join(argv)}: {capsys.readouterr().err}")
+
+
+
+def test_tags_come_from_the_readme_list_and_mark_every_collective():
+    """Every tag in a script is its own (the README lists them), and every line that talks to
+    the other ranks (a collective, the group, the wrapper) carries it."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    for tag in set(TAGS.values()):
+        assert f"`# {tag}:`" in readme, tag
+    for script in SCRIPTS:
+        for number, line in enumerate(open(os.path.join(HERE, f"{script}.py")), 1):
+            tags = TAG.findall(line)
+            where = f"{script}.py:{number}: {line.strip()}"
+            assert all(tag == TAGS.get(script) for tag in tags), where
+            code = line.split("#")[0]
+            if script in TAGS and COMMUNICATES.search(code) and not code.lstrip().startswith(("def ", "import", "from")):
+                assert tags, f"untagged: {where}"

@@ -1,0 +1,104 @@
+"""Checks that the tests start under torchrun, one per command:
+`torchrun --nproc_per_node=2 torchrun_checks.py ring-check` (or overlap-order, fsdp-load CHECKPOINT
+OUT, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT WORK_SECONDS)."""
+import os, sys, time
+import torch
+import torch.distributed as dist
+import common
+import fsdp_resnet
+import scratch_lenet
+import scratch_ring
+
+
+def ring_check():
+    """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    for shapes in ([(1,)], [(2,)], [(7,)], [(5, 3), (11,), (2, 2, 2)], [(1001,)]):
+        mine = [torch.randn(s) for s in shapes]
+        expected = [t.clone() for t in mine]
+        for t in expected:
+            dist.all_reduce(t)
+        scratch_ring.ring_allreduce(mine, rank, world_size)
+        for a, b in zip(mine, expected):
+            assert torch.allclose(a, b, atol=1e-5), (shapes, a, b)
+        # The first half alone leaves this process the full sum of the chunk it owns.
+        chunks = list(torch.randn(sum(torch.Size(s).numel() for s in shapes)).tensor_split(world_size))
+        total = torch.cat(chunks).clone()
+        dist.all_reduce(total)
+        scratch_ring.ring_reduce_scatter(chunks, rank, world_size)
+        mine = scratch_ring.owned_chunk(rank, world_size)
+        assert torch.allclose(chunks[mine], total.tensor_split(world_size)[mine], atol=1e-5)
+    print("ring ok", flush=True)
+    dist.destroy_process_group()
+
+
+def overlap_order():
+    """Under torchrun: with --overlap a bucket's ring allreduce starts before backward has produced
+    the last gradient (the first layer's)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    events, ring = [], scratch_ring.ring_allreduce
+    def recorded_ring(tensors, *args):
+        events.append("send")
+        ring(tensors, *args)
+    scratch_ring.ring_allreduce = recorded_ring
+    replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), "cpu")]
+    overlap = scratch_ring.OverlappedAllreduce(replicas, rank, world_size, bucket_bytes=1024)
+    for p in replicas[0]:   # registered after the class's own hook, so it runs after it
+        p.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
+    X, y = torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))
+    velocities = [[torch.zeros_like(p) for p in replicas[0]]]
+    scratch_ring.train_batch(X, y, replicas, velocities, ["cpu"], 0.1, 256, rank, world_size, overlap=overlap)
+    last_grad = len(events) - 1 - events[::-1].index("grad")
+    assert events.count("send") == 4 and events.index("send") < last_grad, events
+    print("overlap ok", events, flush=True)
+    dist.destroy_process_group()
+
+
+def fsdp_load(checkpoint, out):
+    """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
+    write the whole model it then holds."""
+    rank, world_size, device = common.init_distributed(60)
+    model = fsdp_resnet.shard(common.fashion_resnet18(1), device, world_size, amp=False)   # other weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, device, rank, world_size)
+    state = fsdp_resnet.full_state_dict(model)
+    if rank == 0:
+        torch.save(state, out)
+    torch.distributed.destroy_process_group()
+
+
+def threads_left(script, *argv):
+    """Run one rank of `script` in this process; print the names of its threads just before it
+    destroys the process group, and after the script has returned."""
+    import torch.distributed as dist
+    def thread_names():
+        return " ".join(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+    destroy = dist.destroy_process_group
+    def destroy_and_report(*args, **kwargs):
+        print("threads before destroy:", thread_names(), flush=True)
+        destroy(*args, **kwargs)
+    dist.destroy_process_group = destroy_and_report
+    __import__(script).main(list(argv))
+    print("threads left:", thread_names(), flush=True)
+
+
+def slow_barrier(rendezvous_timeout, work_seconds):
+    """Under torchrun: join with a short rendezvous timeout, then rank 0 works while the others wait."""
+    rank, _, _ = common.init_distributed(float(rendezvous_timeout))
+    if rank == 0:
+        time.sleep(float(work_seconds))
+    torch.distributed.barrier()
+    print("barrier passed", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+
+if __name__ == "__main__":
+    checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
+              "threads-left": threads_left, "slow-barrier": slow_barrier}
+    checks[sys.argv[1]](*sys.argv[2:])
