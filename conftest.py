@@ -1,6 +1,6 @@
 """What the test files share: paths, the small sizes the scripts run at, running a README command,
 comparing weights, and the runs several tests compare against (fixtures, each run once)."""
-import copy, json, os, subprocess, sys, time
+import copy, os, subprocess, sys, time
 import pytest
 import torch
 import torch.nn.functional as F

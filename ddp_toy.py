@@ -36,8 +36,8 @@ def train_loader(X, y, rank_batch, rank, world_size, seed):
 
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
     if backend == "nccl":
         common.check_gpu_count(processes_here, rank=rank)   # DDP: one GPU per process

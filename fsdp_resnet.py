@@ -127,8 +127,8 @@ def shard(net, device, world_size, amp):
 # ---------------------------------------------------------------- training
 def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), gloo between CPUs
     if backend == "nccl":
         common.check_gpu_count(processes_here, rank=rank)   # FSDP: one GPU per process

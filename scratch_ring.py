@@ -13,7 +13,7 @@ The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet
 file adds exists only because there are several processes, and lines of the training that exist
 only for that reason are tagged `# RING:`.
 """
-import argparse, math, os, sys, threading, time
+import math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
@@ -267,8 +267,8 @@ def main(argv=None):
     torch.backends.cudnn.allow_tf32 = False   # float32 convolutions, as in scratch_lenet.py
     common.default_to_one_process()   # plain `python scratch_ring.py`: a group of one
     # RING: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = common.pick_backend()   # RING: NCCL between GPUs (on Linux), gloo between CPUs
     if backend == "nccl":
         common.check_gpu_count(processes_here, gpus_each=args.devices, rank=rank)   # RING: K = --devices GPUs each

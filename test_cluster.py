@@ -5,8 +5,8 @@ import pytest
 import common
 import local_slurm
 import simulated_cluster
-from conftest import (DATA, HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, SMALL, TOY, assert_ok, assert_same_weights,
-                      load_model, read, running, wait_for)
+from conftest import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, SMALL, TOY, assert_ok, assert_same_weights,
+                      load_model, read, run, running, wait_for)
 
 # ---------------------------------------------------------------- the simulated cluster
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))

@@ -8,7 +8,7 @@ import common
 import ddp_resnet
 import ddp_toy
 import fsdp_resnet
-from conftest import (DATA, HERE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
+from conftest import (DATA, HERE, OFFLINE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
                       load_model, read, run, wait_for)
 
 # ---------------------------------------------------------------- preemption and resuming

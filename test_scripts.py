@@ -2,7 +2,7 @@
 it so. The whole suite: `bash run_all.sh test` (or `python -m pytest -q`); faults and preemption
 are in test_faults.py, several machines in test_cluster.py, the README's claims in test_readme.py,
 what they share in conftest.py."""
-import json, os, re, shutil, sys
+import json, os, re, shutil, subprocess, sys, threading
 import pytest
 import torch
 import common

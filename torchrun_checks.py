@@ -12,7 +12,6 @@ import scratch_ring
 
 def ring_check():
     """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
-    import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
@@ -38,7 +37,6 @@ def ring_check():
 def overlap_order():
     """Under torchrun: with --overlap a bucket's ring allreduce starts before backward has produced
     the last gradient (the first layer's)."""
-    import torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events, ring = [], scratch_ring.ring_allreduce
@@ -75,7 +73,6 @@ def fsdp_load(checkpoint, out):
 def threads_left(script, *argv):
     """Run one rank of `script` in this process; print the names of its threads just before it
     destroys the process group, and after the script has returned."""
-    import torch.distributed as dist
     def thread_names():
         return " ".join(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
     destroy = dist.destroy_process_group

@@ -11,7 +11,7 @@ the check's share of a step is at its largest there. The variants take turns (--
 of --steps steps each, after --warmup), and rank 0 prints the median time per step of each and
 its ratio to no check.
 """
-import argparse, os, signal, statistics, sys, time
+import argparse, os, statistics, sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
