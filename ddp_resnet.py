@@ -43,11 +43,11 @@ def load_checkpoint(path, net, optimizer, device, master):
             if not isinstance(state[0], dict) or state[0].get("arch") != ARCH:
                 raise ValueError(f"it holds no {ARCH} checkpoint" + (f" (it was written for {state[0]['arch']})"
                                  if isinstance(state[0], dict) and "arch" in state[0] else ""))
+            net.load_state_dict(state[0]["model"])
+            optimizer.load_state_dict(state[0]["optimizer"])
             missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state[0].keys()
             if missing:
                 raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
-            net.load_state_dict(state[0]["model"])
-            optimizer.load_state_dict(state[0]["optimizer"])
         except Exception as e:   # a foreign pickle can raise anything; say which file and why
             reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
             state[0] = f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}"

@@ -34,7 +34,7 @@ fi
 
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
-  exec "$PY" -m pytest -q test_*.py
+  exec "$PY" -m pytest -q --durations=10 test_*.py
 elif [ "$mode" = bench ]; then
   exec "$PY" benchmarks/bench.py
 fi

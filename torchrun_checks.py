@@ -57,10 +57,18 @@ def overlap_order():
     dist.destroy_process_group()
 
 
+def join(rendezvous_timeout):
+    """This process's place in the CPU (gloo) group that torchrun describes."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=common.rendezvous_store(rendezvous_timeout), rank=rank, world_size=world_size)
+    return rank, world_size
+
+
 def fsdp_load(checkpoint, out):
     """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
     write the whole model it then holds."""
-    rank, world_size, device = common.init_distributed(60)
+    rank, world_size = join(60)
+    device = torch.device("cpu")
     model = fsdp_resnet.shard(common.fashion_resnet18(1), device, world_size, amp=False)   # other weights
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, device, rank, world_size)
@@ -86,7 +94,7 @@ def threads_left(script, *argv):
 
 def slow_barrier(rendezvous_timeout, work_seconds):
     """Under torchrun: join with a short rendezvous timeout, then rank 0 works while the others wait."""
-    rank, _, _ = common.init_distributed(float(rendezvous_timeout))
+    rank, _ = join(float(rendezvous_timeout))
     if rank == 0:
         time.sleep(float(work_seconds))
     torch.distributed.barrier()

@@ -124,7 +124,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
-    rank, world_size, _ = common.init_distributed(120)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    common.share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    dist.init_process_group("gloo", store=common.rendezvous_store(120), rank=rank, world_size=world_size)
     results = {"world_size": world_size}
     (lenet if args.model == "lenet" else resnet)(args, rank, world_size, results)
     if rank == 0:

@@ -30,7 +30,12 @@ def main():
     p.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     args = p.parse_args()
     common.default_to_one_process()
-    rank, world_size, device = common.init_distributed(120)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = common.pick_backend()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=common.rendezvous_store(120), rank=rank, world_size=world_size)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
                         nn.Linear(args.width, 10)).to(device)
