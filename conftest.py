@@ -135,14 +135,14 @@ def running(pid):
 
 
 # ---------------------------------------------------------------- runs several tests compare against
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scratch_one_replica(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("scratch1"))
     scratch_lenet.main(SMALL + ["--devices", "1", "--max-steps", "6", "--batch-size", "96", "--out", out])
     return load_model(out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def toy_one_rank(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy1")
     result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
@@ -150,7 +150,7 @@ def toy_one_rank(tmp_path_factory):
     return load_model(out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def resnet_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(out)] + PREEMPTIBLE)
@@ -158,7 +158,7 @@ def resnet_uninterrupted(tmp_path_factory):
     return load_model(out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def resnet_8_steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("eight_steps")
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "8",
@@ -167,7 +167,7 @@ def resnet_8_steps(tmp_path_factory):
     return load_model(out)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     """A checkpoint written at step 2 of 6 in epoch 1 by 2 ranks (global batch 16, seed 0, 96 samples)."""
     out = tmp_path_factory.mktemp("mid_epoch")

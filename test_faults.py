@@ -44,13 +44,17 @@ def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_sam
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
 def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(script, resnet_8_steps, tmp_path):
-    """--max-steps 3 stops inside epoch 1 and leaves a checkpoint of step 3; a cap at or below it
-    stops at once; --resume --max-steps 8 ends with the weights of one --max-steps 8 run. For
-    FSDP, the folder also holds what crashes leave: an older complete checkpoint (step-1, made
-    unreadable here, so loading it would fail) and a newer one half written (step-9.tmp)."""
+    """--resume with no checkpoint yet says so once and starts at step 0; --max-steps 3 stops
+    inside epoch 1 and leaves a checkpoint of step 3; a cap at or below it stops at once;
+    --resume --max-steps 8 ends with the weights of one --max-steps 8 run. For FSDP, the folder
+    also holds what crashes leave: an older complete checkpoint (step-1, made unreadable here, so
+    loading it would fail) and a newer one half written (step-9.tmp)."""
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script, "--out", str(tmp_path)] + PREEMPTIBLE
-    first = run(torchrun + ["--max-steps", "3"])
+    first = run(torchrun + ["--resume", "--max-steps", "3"])
     assert_ok(first)
+    checkpoint = tmp_path / ("checkpoint" if script == "fsdp_resnet.py" else "checkpoint.pt")
+    said = f"no checkpoint {'in' if script == 'fsdp_resnet.py' else 'at'} {checkpoint}: training starts from step 0"
+    assert first.stdout.count(said) == 1, first.stdout   # rank 0 alone says it
     assert "checkpoint: step 3 (epoch 1, batch 3/6)" in first.stdout
     capped = run(torchrun + ["--resume", "--max-steps", "2"])
     assert_ok(capped)
@@ -163,20 +167,6 @@ def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     assert_ok(resumed)
     assert "epoch 1 done, step 4" in resumed.stdout
     assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
-
-
-@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
-def test_resume_without_a_checkpoint_says_so_once_and_starts_at_step_0(script, tmp_path):
-    """A mistyped --checkpoint, or an empty checkpoint folder: rank 0 says so in one line."""
-    checkpoint = tmp_path / ("checkpoint" if script == "fsdp_resnet.py" else "checkpont.pt")
-    if script == "fsdp_resnet.py":
-        checkpoint.mkdir()
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--resume", "--checkpoint", str(checkpoint),
-                  "--out", str(tmp_path)] + RESNET + ["--max-steps", "1"], env=ONE_THREAD)
-    assert_ok(result)
-    said = f"no checkpoint {'in' if script == 'fsdp_resnet.py' else 'at'} {checkpoint}: training starts from step 0"
-    assert result.stdout.count(said) == 1, result.stdout
-    assert "done: 1 steps" in result.stdout
 
 
 @pytest.mark.parametrize("bad", ["not-a-checkpoint", "another-model"])
