@@ -1,6 +1,6 @@
 """What the test files share: paths, the small sizes the scripts run at, running a README command,
 comparing weights, and the runs several tests compare against (fixtures, each run once)."""
-import copy, os, subprocess, sys, time
+import copy, math, os, subprocess, sys, time
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ def resnet_step(weights):
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
-def resnet_reference(shards, steps=2, lr=0.05):
+def resnet_reference(shards, steps=2, lr=0.05 * 16 / 256):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
     as each torchrun worker has: early ResNet steps amplify the rounding of other summation
@@ -87,8 +87,15 @@ def resnet_reference(shards, steps=2, lr=0.05):
 def _resnet_reference(shards, steps, lr):
     X_train, y_train = common.load_fashion_mnist(DATA, 64, 1)["train"]
     net = common.fashion_resnet18(0)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    for idx in common.epoch_batches(64, 16, seed=0, epoch=1)[:steps]:
+    # ddp_resnet's recipe: --lr 0.05 for 256 samples at a global batch of 16; no weight decay on
+    # BatchNorm and biases; the cosine of 5 epochs of 4 steps
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    rest = [p for p in net.parameters() if p.ndim == 1]
+    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": rest, "weight_decay": 0}],
+                                lr=lr, momentum=0.9)
+    for step, idx in enumerate(common.epoch_batches(64, 16, seed=0, epoch=1)[:steps]):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / 20))
         net.zero_grad(set_to_none=True)
         replicas = [copy.deepcopy(net) for _ in range(shards)]
         for replica, part in zip(replicas, idx.view(shards, -1)):

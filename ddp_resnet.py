@@ -1,8 +1,14 @@
-"""ResNet-18 on Fashion-MNIST with DistributedDataParallel: the script to copy into real jobs.
+"""ResNet-18 on Fashion-MNIST, or your own image folder, with DistributedDataParallel: the script to copy into real jobs.
 
     python ddp_resnet.py                          # one process, no launcher needed
     torchrun --nproc_per_node=2 ddp_resnet.py     # one process per GPU (or 2 on CPU, gloo)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 ddp_resnet.py
+    torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 --warmup-epochs 2
+
+DIR holds train/ and val/, one subfolder of images per class: DataLoader workers decode and augment
+them (common.load_data); the Fashion-MNIST IDX files are held in memory instead. The learning rate
+is given for 256 samples and scaled with the global batch, warmed up, then decayed (common's
+"large-batch recipe").
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 
@@ -19,18 +25,16 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
-ARCH = "fashion_resnet18"
-
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, net, optimizer, position, history, device):
+def save_checkpoint(path, arch, net, optimizer, scheduler, position, history, device):
     """Everything a restarted job needs to go on exactly where this one was (`position`: see
     common.Checkpointing). Temp file, then rename: a crash while writing leaves the previous
     checkpoint usable."""
-    state = {"arch": ARCH, **position, "history": history, "model": net.state_dict(),
-             "optimizer": optimizer.state_dict(), **common.rng_state(device)}
+    state = {"arch": arch, **position, "history": history, "model": net.state_dict(),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **common.rng_state(device)}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, net, optimizer, device, master):
+def load_checkpoint(path, arch, net, optimizer, scheduler, device, master):
     """Rank 0 alone decides: it reads the file and checks it by loading it, then sends it to
     every rank, so that ranks on nodes that do not see the file (node-local disks) go on from the
     same step. Returns the checkpoint, or None when there is none; errors exit, said once."""
@@ -40,12 +44,12 @@ def load_checkpoint(path, net, optimizer, device, master):
     elif master:
         try:
             state[0] = torch.load(path, map_location="cpu")
-            if not isinstance(state[0], dict) or state[0].get("arch") != ARCH:
-                raise ValueError(f"it holds no {ARCH} checkpoint" + (f" (it was written for {state[0]['arch']})"
+            if not isinstance(state[0], dict) or state[0].get("arch") != arch:
+                raise ValueError(f"it holds no {arch} checkpoint" + (f" (it was written for {state[0]['arch']})"
                                  if isinstance(state[0], dict) and "arch" in state[0] else ""))
             net.load_state_dict(state[0]["model"])
             optimizer.load_state_dict(state[0]["optimizer"])
-            missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state[0].keys()
+            missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from", "scheduler"} - state[0].keys()
             if missing:
                 raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
         except Exception as e:   # a foreign pickle can raise anything; say which file and why
@@ -58,6 +62,7 @@ def load_checkpoint(path, net, optimizer, device, master):
         net.load_state_dict(state[0]["model"])
         optimizer.load_state_dict(state[0]["optimizer"])
     if state[0]:
+        scheduler.load_state_dict(state[0]["scheduler"])
         common.restore_rng(state[0], device)
     return state[0]
 
@@ -98,31 +103,34 @@ def train(args):
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-    rank_batch = common.rank_batch_size(args.batch_size, world_size, len(y_train), master)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    # Fashion-MNIST held on the device, or an image folder read by DataLoader workers; either way
+    # the same global batches at any world size, drawn from (seed, epoch).
+    data = common.load_data(args, rank, world_size, device, memory_format, master)
+    global_batch = data.train.global_batch
+    rank_batch = global_batch // world_size
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into "
                          f"--accum-steps {args.accum_steps} micro-batches" if master else 1)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    X_train, X_test = X_train.to(device), X_test.to(device)   # small enough to live on the device
-    y_train, y_test = y_train.to(device), y_test.to(device)
 
-    net = common.fashion_resnet18(args.seed)   # the same seed gives every rank the same weights
+    net = common.make_model(data.arch, data.classes, args.seed)   # the same seed gives every rank the same weights
     if args.sync_bn and device.type == "cuda":
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
     elif args.sync_bn and master:
         print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU); "
               "going on with per-rank BatchNorm", flush=True)
     net = net.to(device, memory_format=memory_format)
-    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
+    optimizer = torch.optim.SGD(common.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)
+    steps_per_epoch = len(data.train)
+    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                   steps_per_epoch * args.epochs, args.schedule)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
-                                 world_size, len(y_test))
-    drawn_from = {"global batch": rank_batch * world_size, "seed": args.seed, "training samples": len(y_train)}
-    steps_per_epoch = len(y_train) // (rank_batch * world_size)
+                                 world_size, data.test_samples)
+    drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
     # Where the run is: epoch under way, batches of it done, global step, partial totals and seconds.
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = load_checkpoint(args.checkpoint, net, optimizer, device, master) if args.resume else None
+    state = load_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, device, master) if args.resume else None
     if state:
         position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
         metrics["epochs"] = state["history"]
@@ -132,7 +140,7 @@ def train(args):
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # DDP: every rank holds the same weights; rank 0 writes them
         if master:
-            save_checkpoint(args.checkpoint, net, optimizer, here, metrics["epochs"], device)
+            save_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, here, metrics["epochs"], device)
     checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
                                        final_step, master)   # DDP: all ranks stop at the same step
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")   # see the top
@@ -141,41 +149,41 @@ def train(args):
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:
-        print(f"ddp_resnet: {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
-              f"{rank_batch * world_size} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s)",
+        print(f"ddp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
+              f"{global_batch} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
+              f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
-        # Global batches from (seed, epoch) alone: a new order each epoch (what set_epoch does
-        # for a DistributedSampler), and the same batches as one device at any world size.
-        batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
+        batches = len(data.train)
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        last = min(len(batches), done + final_step - step)   # where --max-steps may stop this epoch
-        progress = common.Progress(epoch, len(batches), master, first=done, last=last)
+        last = min(batches, done + final_step - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, batches, master, first=done, last=last)
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         # Summed loss, hits, samples; after a mid-epoch restart rank 0 carries all ranks' sums so far.
         totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
         net.train()
-        for batch_in_epoch, idx in enumerate(batches[done:last], done + 1):
-            idx = idx.view(world_size, rank_batch)[rank]   # DDP: this rank's share
-            X = X_train[idx].contiguous(memory_format=memory_format)
-            loss_sum, hits = train_step(model, ddp_model, optimizer, X, y_train[idx], args.accum_steps, args.amp)
+        # DDP: this rank's share of each global batch: a new order each epoch (what set_epoch does for a
+        # DistributedSampler), from batch `done` on (a resumed epoch skips the batches it had)
+        for batch_in_epoch, (X, y) in enumerate(data.train.epoch(epoch, done, last), done + 1):
+            loss_sum, hits = train_step(model, ddp_model, optimizer, X, y, args.accum_steps, args.amp)
+            scheduler.step()   # the learning rate of the next step
             totals[:2] += torch.stack([loss_sum, hits.float()])
-            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
+            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             progress(batch_in_epoch)
-            checkpoints.after_step(epoch, batch_in_epoch, len(batches), step, totals, timer)   # DDP: may stop here
+            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # DDP: may stop here
         seconds = timer()
-        if last < len(batches):   # stopped by --max-steps inside the epoch: a checkpoint of here
-            checkpoints.save(epoch, last, step, totals, seconds, len(batches))
+        if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
+            checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
         common.broadcast_buffers(net)   # DDP: BatchNorm statistics: rank 0's, those model.pt holds
         net.eval()
-        test_acc = common.evaluate(net, X_test, y_test, device, rank, world_size)
+        test_acc = data.evaluate(net)   # DDP: each rank scores its slice; [correct, count] summed
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if last < len(batches):
+        if last < batches:
             break
         checkpoints.epoch_done(epoch, step)
     checkpoints.close()
@@ -187,7 +195,7 @@ def train(args):
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
     p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True, distributed=True)
+                           resnet=True, distributed=True, recipe=True)
     p.add_argument("--accum-steps", type=common.positive_int, default=1,
                    help="split each rank's batch into this many micro-batches (gradient accumulation)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")

@@ -39,7 +39,7 @@ def train(args):
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
     net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
     model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
-    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    optimizer = torch.optim.SGD(common.param_groups(net, 5e-4), lr=args.lr, momentum=0.9)   # as ddp_resnet.py
     metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
     print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}", flush=True)
     step, start = 0, time.perf_counter()

@@ -1,8 +1,11 @@
-"""ResNet-18 on Fashion-MNIST with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
+"""ResNet-18 on Fashion-MNIST, or your own image folder, with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
 gradients and optimizer state.
 
     python fsdp_resnet.py                         # one process, no launcher needed
     torchrun --standalone --nproc_per_node=2 fsdp_resnet.py
+    torchrun --standalone --nproc_per_node=8 fsdp_resnet.py --data-dir DIR --arch resnet50 --workers 8
+
+Data, model and learning-rate schedule as in ddp_resnet.py (common.load_data, the large-batch recipe).
 
 The same training as ddp_resnet.py (same batches, same weights after every step), with another
 memory layout. DDP keeps the whole model, its gradients and its optimizer state on every rank and
@@ -23,10 +26,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 import common
 
-ARCH = "fashion_resnet18"
-
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
-def save_checkpoint(path, model, optimizer, position, history, rank, device):
+def save_checkpoint(path, arch, model, optimizer, scheduler, position, history, rank, device):
     """torch.distributed.checkpoint: each rank writes its own shards (on storage every node sees);
     no rank ever holds the whole model. Each checkpoint is a folder of its own, `step-N` inside
     the folder `path`, written as `step-N.tmp` and renamed when complete; the older ones are
@@ -43,7 +44,8 @@ def save_checkpoint(path, model, optimizer, position, history, rank, device):
     dist.barrier()   # FSDP: the folder is clean before anyone writes
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")   # FSDP: own shards
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
-        torch.save({"arch": ARCH, **position, "history": history, **common.rng_state(device)},
+        torch.save({"arch": arch, **position, "history": history, "scheduler": scheduler.state_dict(),
+                    **common.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
         shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
         os.replace(done + ".tmp", done)
@@ -57,7 +59,7 @@ def newest_checkpoint(path):
     steps = [name for name in os.listdir(path) if re.fullmatch(r"step-\d+", name)] if os.path.isdir(path) else []
     return os.path.join(path, max(steps, key=lambda name: int(name[5:]))) if steps else None
 
-def load_checkpoint(path, model, optimizer, device, rank, world_size):
+def load_checkpoint(path, arch, model, optimizer, scheduler, device, rank, world_size):
     """Rank 0 picks the checkpoint and reads its position; every rank then loads its own shards,
     whatever the world size that wrote them (DCP reshards). Returns the progress (position,
     history), or None when there is none; errors exit, said once."""
@@ -69,8 +71,9 @@ def load_checkpoint(path, model, optimizer, device, rank, world_size):
         else:
             try:
                 progress = torch.load(os.path.join(found[0], "progress.pt"), map_location="cpu")
-                if not isinstance(progress, dict) or progress.get("arch") != ARCH:
-                    raise ValueError(f"it holds no {ARCH} checkpoint")
+                if not isinstance(progress, dict) or progress.get("arch") != arch:
+                    raise ValueError(f"it holds no {arch} checkpoint" + (f" (it was written for {progress['arch']})"
+                                     if isinstance(progress, dict) and "arch" in progress else ""))
                 found[0] = (found[0], progress)
             except Exception as e:
                 found[0] = f"{found[0]}: {' '.join(str(e).split())[:400]}"
@@ -91,6 +94,7 @@ def load_checkpoint(path, model, optimizer, device, rank, world_size):
     dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
+    scheduler.load_state_dict(progress["scheduler"])
     common.restore_rng(progress, device)
     return progress
 
@@ -112,7 +116,8 @@ def bytes_held(model, optimizer):
 # ---------------------------------------------------------------- the model, sharded
 def shard(net, device, world_size, amp):
     """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
-    are gathered just before it runs and freed after, so at most one stage is ever whole."""
+    are gathered just before it runs and freed after, so at most one stage is ever whole. A model
+    without ResNet's four stages (another --arch) is sharded by its top-level blocks."""
     mesh = init_device_mesh(device.type, (world_size,))
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp
                  else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
@@ -120,7 +125,9 @@ def shard(net, device, world_size, amp):
         for norm in [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]:
             fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(   # FSDP: each BatchNorm
                 param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16))
-    for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
+    stages = ([net.layer1, net.layer2, net.layer3, net.layer4] if hasattr(net, "layer4") else
+              [m for m in net.children() if any(True for _ in m.parameters())])
+    for stage in stages:
         fully_shard(stage, mesh=mesh, mp_policy=precision)   # FSDP: each stage
     return fully_shard(net, mesh=mesh, mp_policy=precision)   # FSDP: the rest (stem, last layer)
 
@@ -142,21 +149,24 @@ def train(args):
     master = rank == 0   # FSDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-    rank_batch = common.rank_batch_size(args.batch_size, world_size, len(y_train), master)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    X_train, X_test = X_train.to(device), X_test.to(device)
-    y_train, y_test = y_train.to(device), y_test.to(device)
+    data = common.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
+    global_batch = data.train.global_batch
+    rank_batch = global_batch // world_size
 
-    net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
+    net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
     model = shard(net, device, world_size, args.amp)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size, len(y_test))
-    drawn_from = {"global batch": rank_batch * world_size, "seed": args.seed, "training samples": len(y_train)}
-    steps_per_epoch = len(y_train) // (rank_batch * world_size)
+    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
+    optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
+    steps_per_epoch = len(data.train)
+    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                   steps_per_epoch * args.epochs, args.schedule)
+    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size,
+                                 data.test_samples)
+    drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    saved = load_checkpoint(args.checkpoint, model, optimizer, device, rank, world_size) if args.resume else None
+    saved = (load_checkpoint(args.checkpoint, data.arch, model, optimizer, scheduler, device, rank, world_size)
+             if args.resume else None)
     if saved:
         position = common.resume_position(saved, drawn_from, args, steps_per_epoch, master)
         metrics["epochs"] = saved["history"]
@@ -165,46 +175,46 @@ def train(args):
             return None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # FSDP: every rank writes its own shards
-        save_checkpoint(args.checkpoint, model, optimizer, here, metrics["epochs"], rank, device)
+        save_checkpoint(args.checkpoint, data.arch, model, optimizer, scheduler, here, metrics["epochs"], rank, device)
     checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master)
     if master:
-        print(f"fsdp_resnet: {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
-              f"{rank_batch * world_size} = {world_size} x {rank_batch}, parameters sharded {world_size} ways",
+        print(f"fsdp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
+              f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {world_size} ways, lr {lr:g} "
+              f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
-        batches = common.epoch_batches(len(y_train), rank_batch * world_size, args.seed, epoch).to(device)
+        batches = len(data.train)
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        last = min(len(batches), done + final_step - step)   # where --max-steps may stop this epoch
-        progress = common.Progress(epoch, len(batches), master, first=done, last=last)
+        last = min(batches, done + final_step - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, batches, master, first=done, last=last)
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         # Summed loss, hits, samples; after a mid-epoch restart rank 0 carries all ranks' sums so far.
         totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
         model.train()
-        for batch_in_epoch, idx in enumerate(batches[done:last], done + 1):
-            idx = idx.view(world_size, rank_batch)[rank]   # this rank's share
-            X, y = X_train[idx].contiguous(memory_format=memory_format), y_train[idx]
+        for batch_in_epoch, (X, y) in enumerate(data.train.epoch(epoch, done, last), done + 1):   # this rank's share
             optimizer.zero_grad(set_to_none=True)
             logits = model(X)                        # FSDP: all-gather each stage's parameters in turn
             loss = F.cross_entropy(logits.float(), y)
             loss.backward()                          # FSDP: gather again, then reduce-scatter the gradients
             optimizer.step()                         # FSDP: each rank updates its own shard
+            scheduler.step()
             totals[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum().float()])
-            totals[2] += len(idx)
+            totals[2] += len(y)
             step += 1
             progress(batch_in_epoch)
-            checkpoints.after_step(epoch, batch_in_epoch, len(batches), step, totals, timer)   # may stop here
+            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # may stop here
         seconds = timer()
-        if last < len(batches):   # stopped by --max-steps inside the epoch: a checkpoint of here
-            checkpoints.save(epoch, last, step, totals, seconds, len(batches))
+        if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
+            checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
         common.broadcast_buffers(model)   # FSDP: BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
-        test_acc = common.evaluate(model, X_test, y_test, device, rank, world_size)
+        test_acc = data.evaluate(model)   # FSDP: every rank the same number of forwards (each gathers weights)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if last < len(batches):
+        if last < batches:
             break
         checkpoints.epoch_done(epoch, step)
     checkpoints.close()
@@ -224,7 +234,7 @@ def train(args):
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
     p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True, distributed=True)
+                           resnet=True, distributed=True, recipe=True)
     p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
                                         "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint)")

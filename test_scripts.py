@@ -345,7 +345,9 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, tmp_path):
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):
-    results = [run(["python", script] + RESNET + ["--max-steps", "1", "--out", str(tmp_path / script)])
+    """dp_resnet.py takes --lr as it is; ddp_resnet.py's is for 256 samples (0.05 x 16/256)."""
+    flags = {"dp_resnet.py": ["--lr", str(0.05 * 16 / 256)], "ddp_resnet.py": []}
+    results = [run(["python", script] + RESNET + flags[script] + ["--max-steps", "1", "--out", str(tmp_path / script)])
                for script in ("dp_resnet.py", "ddp_resnet.py")]
     for result in results:
         assert_ok(result)

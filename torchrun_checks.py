@@ -70,8 +70,9 @@ def fsdp_load(checkpoint, out):
     rank, world_size = join(60)
     device = torch.device("cpu")
     model = fsdp_resnet.shard(common.fashion_resnet18(1), device, world_size, amp=False)   # other weights
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, device, rank, world_size)
+    optimizer = torch.optim.SGD(common.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
+    scheduler = common.lr_schedule(optimizer, 0, 10, "cosine")
+    fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, scheduler, device, rank, world_size)
     state = fsdp_resnet.full_state_dict(model)
     if rank == 0:
         torch.save(state, out)

@@ -1,0 +1,186 @@
+"""Your own data: an image folder read from disk by DataLoader workers is the same training as the
+data held in memory, at any number of workers and ranks, resumed mid-epoch; bad folders are named."""
+import gzip, json, os, shutil, struct
+import pytest
+import torch
+import common
+from conftest import DATA, ONE_THREAD, assert_ok, assert_same_weights, load_model, run
+
+TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
+FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory):
+    """Fashion-MNIST's first 96 training and 61 test images as a folder of PNG files."""
+    folder = tmp_path_factory.mktemp("images")
+    common.write_images(DATA, str(folder), TRAIN, VAL)
+    return folder
+
+
+def params_of(weights):   # parameters only: BatchNorm's running statistics are rank 0's shard's
+    names = {name for name, _ in common.fashion_resnet18(0).named_parameters()}
+    return {k: v for k, v in weights.items() if k in names}
+
+
+# ---------------------------------------------------------------- the same training
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_any_number_of_workers_trains_like_none(images, workers, tmp_path):
+    """Random crops and flips included: each sample's draw comes from (seed, epoch, index)."""
+    flags = ["--data-dir", str(images), "--max-steps", "3"] + FOLDER
+    none = run(["python", "ddp_resnet.py", "--workers", "0", "--out", str(tmp_path / "0")] + flags, env=ONE_THREAD)
+    some = run(["python", "ddp_resnet.py", "--workers", workers, "--out", str(tmp_path / "w")] + flags, env=ONE_THREAD)
+    assert_ok(none)
+    assert_ok(some)
+    assert "random crop and flip" in none.stdout
+    assert_same_weights(load_model(tmp_path / "0"), load_model(tmp_path / "w"), tol=1e-6)
+
+
+def test_two_ranks_with_workers_train_like_one_process_with_two_micro_batches(images, tmp_path):
+    """2 ranks draw the same global batches and augmentations as one process: with --accum-steps 2
+    its micro-batches are the ranks' shares, BatchNorm included (the in-memory path's proof)."""
+    flags = ["--data-dir", str(images), "--max-steps", "3"] + FOLDER
+    ranks = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--workers", "2",
+                 "--out", str(tmp_path / "r")] + flags, env=ONE_THREAD)
+    one = run(["python", "ddp_resnet.py", "--workers", "0", "--accum-steps", "2", "--out", str(tmp_path / "a")] + flags,
+              env=ONE_THREAD)
+    assert_ok(ranks)
+    assert_ok(one)
+    assert_same_weights(params_of(load_model(tmp_path / "r")), params_of(load_model(tmp_path / "a")))
+
+
+def write_idx(path, tensor):
+    header = bytes([0, 0, 8, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + tensor.numpy().tobytes())
+
+
+def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, tmp_path):
+    """The folder's order is by class, then file name; IDX files written in that order hold the
+    same images at the same indices. Without augmentation, the DataLoader is only plumbing."""
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    paths = common._find_files(DATA)
+    for (images_file, labels_file), n, (images_path, labels_path) in zip(
+            common.FILES.values(), (TRAIN, VAL), (paths[:2], paths[2:])):
+        pixels, labels = common._read_idx(images_path, (28, 28))[:n], common._read_idx(labels_path, ())[:n]
+        order = sorted(range(n), key=lambda i: (int(labels[i]), i))
+        write_idx(idx / images_file, pixels[order].contiguous())
+        write_idx(idx / labels_file, labels[order].contiguous())
+    flags = ["--max-steps", "4", "--batch-size", "16", "--epochs", "2"]
+    memory = run(["python", "ddp_resnet.py", "--data-dir", str(idx), "--out", str(tmp_path / "m")] + flags, env=ONE_THREAD)
+    folder = run(["python", "ddp_resnet.py", "--data-dir", str(images), "--no-augment", "--arch", "fashion_resnet18",
+                  "--image-size", "28", "--workers", "2", "--out", str(tmp_path / "f")] + flags, env=ONE_THREAD)
+    assert_ok(memory)
+    assert_ok(folder)
+    assert "Fashion-MNIST in memory" in memory.stdout and "from disk" in folder.stdout
+    assert_same_weights(load_model(tmp_path / "m"), load_model(tmp_path / "f"), tol=1e-6)
+    accuracy = [json.load(open(tmp_path / out / "metrics.json"))["test_acc"] for out in "mf"]
+    assert accuracy[0] == accuracy[1]
+
+
+def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_after_a_resume(images):
+    """The same picture at different indices, epochs, ranks or workers is cropped differently;
+    the same (epoch, index) is cropped alike again, whoever loads it, as after a resume."""
+    one_file = common.scan_image_folder(str(images), True)[1][0]
+    train_transform, _ = common.image_transforms(24, one_channel=True, augment=True)
+    same_picture = common.ImageFiles([one_file] * 32, train_transform, "L", seed=0)
+    before = torch.get_rng_state()
+    draw = same_picture[(1, 0)][0]
+    assert torch.equal(torch.get_rng_state(), before)   # the training process's generator untouched
+    assert torch.equal(draw, same_picture[(1, 0)][0])
+    assert not torch.equal(draw, same_picture[(1, 1)][0]) and not torch.equal(draw, same_picture[(2, 0)][0])
+    per_rank = []
+    for rank in range(2):
+        sampler = common.RankBatches(32, 16, seed=0, rank=rank, world_size=2)
+        loader = torch.utils.data.DataLoader(same_picture, batch_sampler=sampler, num_workers=2)
+        per_rank.append([X for X, _ in loader])   # worker 0 loads batch 0, worker 1 batch 1
+    (rank0_worker0, rank0_worker1), (rank1_worker0, _) = per_rank
+    assert not torch.equal(rank0_worker0, rank0_worker1) and not torch.equal(rank0_worker0, rank1_worker0)
+    crops = torch.cat(per_rank[0] + per_rank[1]).flatten(1)
+    assert len(crops.unique(dim=0)) == 32   # 32 draws of one picture, all different
+    sampler.set_epoch(1, start=1)   # a resume at batch 1: the same crops as the uninterrupted epoch's
+    resumed = [X for X, _ in torch.utils.data.DataLoader(same_picture, batch_sampler=sampler, num_workers=2)]
+    assert len(resumed) == 1 and torch.equal(resumed[0], per_rank[1][1])
+    assert_same_weights(common.make_model("resnet18", 7, 3).state_dict(), common.make_model("resnet18", 7, 3).state_dict(), 0)
+
+
+# ---------------------------------------------------------------- resume, evaluation, uneven data
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
+def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, tmp_path):
+    """--max-steps 3 stops inside epoch 1 of 2 (6 steps each), with 2 workers per rank, random
+    crops, a warm-up and a cosine; --resume ends with the uninterrupted run's weights."""
+    flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1"] + FOLDER
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script]
+    whole = run(torchrun + ["--out", str(tmp_path / "whole")] + flags, env=ONE_THREAD)
+    stopped = run(torchrun + ["--max-steps", "3", "--out", str(tmp_path / "parts")] + flags, env=ONE_THREAD)
+    resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")] + flags, env=ONE_THREAD)
+    for result in (whole, stopped, resumed):
+        assert_ok(result)
+    assert "resumed from" in resumed.stdout and "epoch 1 at batch 3/6, step 3" in resumed.stdout
+    assert_same_weights(load_model(tmp_path / "whole"), load_model(tmp_path / "parts"), tol=1e-6)
+
+
+def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
+    """3 ranks, 61 validation images (20, 20, 21 each): the reported accuracy is one process's on
+    the same weights over all 61. 96 training images in global batches of 27 (9 a rank): 3 batches,
+    15 images left out each epoch, said."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py", "--data-dir", str(images),
+                  "--arch", "fashion_resnet18", "--batch-size", "27", "--epochs", "2", "--workers", "1",
+                  "--out", str(tmp_path)], timeout=300)
+    assert_ok(result)
+    assert "96 training images make 3 global batches of 27 per epoch: 15 are left out of each epoch" in result.stdout
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert metrics["test_samples"] == VAL and metrics["steps"] == 6
+    net = common.fashion_resnet18(0)
+    net.load_state_dict(load_model(tmp_path))
+    _, val_transform = common.image_transforms(28, one_channel=True, augment=False)
+    val = common.ImageFiles(common.scan_image_folder(str(images), True)[2], val_transform, "L", seed=0)
+    assert metrics["test_acc"] == common.evaluate_folder(net.eval(), val, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- bad folders
+def break_folder(case, folder):
+    """Make `folder` (a copy of the image folder) bad in one way; return the path the error must name."""
+    train, val = folder / "train", folder / "val"
+    first = sorted((train / "0_t-shirt_top").iterdir())[0]
+    if case == "truncated image":
+        first.write_bytes(first.read_bytes()[:100])
+        return first
+    if case == "not an image":
+        (train / "0_t-shirt_top" / "notes.txt").write_text("labels checked by hand")
+        return train / "0_t-shirt_top" / "notes.txt"
+    if case == "empty class":
+        (train / "10_extra").mkdir()
+        (val / "10_extra").mkdir()
+        return train / "10_extra"
+    if case == "other classes":
+        shutil.rmtree(val / "9_ankle_boot")
+        return "9_ankle_boot"
+    if case == "fewer than one batch":
+        return train
+    if case == "neither":
+        shutil.rmtree(train)
+        shutil.rmtree(val)
+        (folder / "photos.zip").write_text("")
+        return folder
+
+
+@pytest.mark.parametrize("case", ["truncated image", "not an image", "empty class", "other classes",
+                                  "fewer than one batch", "neither"])
+def test_bad_image_folders_are_named_in_one_line(images, case, tmp_path):
+    """Exit status 1, one line naming the file or folder, no traceback, nothing written over. The
+    truncated image is read by a worker process (all 96 are in the first batch)."""
+    folder = tmp_path / "data"
+    shutil.copytree(images, folder)
+    named = break_folder(case, folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.json").write_text("an earlier run's")
+    batch = "200" if case == "fewer than one batch" else "96"
+    result = run(["python", "ddp_resnet.py", "--data-dir", str(folder), "--arch", "fashion_resnet18", "--workers", "2",
+                  "--batch-size", batch, "--max-steps", "1", "--out", str(out)], timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], result.stderr[-2000:]
+    assert os.listdir(out) == ["metrics.json"] and (out / "metrics.json").read_text() == "an earlier run's"
