@@ -166,15 +166,6 @@ def resnet_uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def resnet_8_steps(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eight_steps")
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "8",
-                  "--out", str(out)] + PREEMPTIBLE)
-    assert_ok(result)
-    return load_model(out)
-
-
-@pytest.fixture(scope="session")
 def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     """A checkpoint written at step 2 of 6 in epoch 1 by 2 ranks (global batch 16, seed 0, 96 samples)."""
     out = tmp_path_factory.mktemp("mid_epoch")

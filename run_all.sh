@@ -58,6 +58,9 @@ smoke ddp_toy_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_n
 smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet
 smoke fsdp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_resnet.py $small $resnet
 smoke dp_resnet "$PY" dp_resnet.py $small $resnet
+"$PY" common.py --data-dir data --write-images runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
+smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet \
+  --data-dir runs/smoke/images --image-size 32 --workers 1
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys
 rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]
