@@ -290,6 +290,15 @@ class MemoryBatches:
             idx = batch.view(self.world_size, -1)[self.rank]
             yield self.images[idx].contiguous(memory_format=self.memory_format), self.labels[idx]
 
+def leave_stop_signals_to_the_rank(worker_id):
+    """DataLoader workers ignore SIGTERM and SIGUSR1. SLURM signals every process of a job, the
+    workers too, and a worker killed by it makes its rank raise "DataLoader worker is killed by
+    signal" mid-step instead of stopping at the agreed step boundary. The rank's own handler
+    decides; its workers end with it (they watch their parent)."""
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
 class FolderBatches:
     """The same batches read from disk: DataLoader workers decode and augment this rank's share
     of each global batch; pinned memory and non-blocking copies on CUDA; the workers live
@@ -297,7 +306,8 @@ class FolderBatches:
     def __init__(self, dataset, global_batch, seed, rank, world_size, device, memory_format, workers):
         self.sampler = RankBatches(len(dataset), global_batch, seed, rank, world_size)
         self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler, num_workers=workers,
-                                                  pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+                                                  pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                                                  worker_init_fn=leave_stop_signals_to_the_rank)
         self.global_batch, self.num_samples = global_batch, len(dataset)
         self.device, self.memory_format = device, memory_format
 
@@ -320,7 +330,7 @@ def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=2
     passes = max(1, math.ceil(math.ceil(len(dataset) / world_size) / batch_size))
     batches = [[(0, int(i)) for i in chunk] for chunk in mine.tensor_split(passes)]
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=min(workers, passes),
-                                         pin_memory=device.type == "cuda")
+                                         pin_memory=device.type == "cuda", worker_init_fn=leave_stop_signals_to_the_rank)
     totals = torch.zeros(2, device=device, dtype=torch.float64)
     with torch.no_grad():
         try:

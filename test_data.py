@@ -1,10 +1,10 @@
 """Your own data: an image folder read from disk by DataLoader workers is the same training as the
 data held in memory, at any number of workers and ranks, resumed mid-epoch; bad folders are named."""
-import gzip, json, os, shutil, struct
+import gzip, json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
 import common
-from conftest import DATA, ONE_THREAD, assert_ok, assert_same_weights, load_model, run
+from conftest import DATA, HERE, ONE_THREAD, assert_ok, assert_same_weights, children_of, load_model, read, run, wait_for
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -106,19 +106,45 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
 
 
 # ---------------------------------------------------------------- resume, evaluation, uneven data
-@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
-def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, tmp_path):
-    """--max-steps 2 stops inside epoch 1 of 2 (3 steps each), with 2 workers per rank, random
-    crops, a warm-up and a cosine; --resume ends with the uninterrupted run's weights."""
-    flags = ["--data-dir", str(images), "--train-samples", "48", "--workers", "2", "--warmup-epochs", "1"] + FOLDER
+@pytest.mark.parametrize("script, stop", [("ddp_resnet.py", "SIGTERM"), ("fsdp_resnet.py", "--max-steps")])
+def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, tmp_path):
+    """2 ranks with 2 workers each, random crops, a warm-up and a cosine, stopped inside the
+    first of 2 epochs, then --resume: the uninterrupted run's weights. SIGTERM goes to every
+    process of the job, workers included, as SLURM sends it: the ranks still stop together at a
+    step boundary. --max-steps 2 stops a run of 3 steps an epoch (48 images)."""
+    flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every", "2"] + FOLDER
+    if stop == "--max-steps":
+        flags += ["--train-samples", "48"]
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script]
     whole = run(torchrun + ["--out", str(tmp_path / "whole")] + flags, env=ONE_THREAD)
-    stopped = run(torchrun + ["--max-steps", "2", "--out", str(tmp_path / "parts")] + flags, env=ONE_THREAD)
-    resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")] + flags, env=ONE_THREAD)
-    for result in (whole, stopped, resumed):
-        assert_ok(result)
-    assert "resumed from" in resumed.stdout and "epoch 1 at batch 2/3, step 2" in resumed.stdout
-    assert_same_weights(load_model(tmp_path / "whole"), load_model(tmp_path / "parts"), tol=1e-6)
+    assert_ok(whole)
+    parts = tmp_path / "parts"
+    if stop == "--max-steps":
+        stopped = run(torchrun + ["--max-steps", "2", "--out", str(parts)] + flags, env=ONE_THREAD)
+        assert_ok(stopped)
+        stopped_at = 2
+    else:
+        parts.mkdir()
+        log = tmp_path / "log"
+        with open(log, "w") as f:
+            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + torchrun[1:] + ["--out", str(parts)]
+                                   + flags, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1"})
+            wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+            ranks = children_of(job.pid)
+            everyone = ranks + [worker for rank in ranks for worker in children_of(rank)]
+            assert len(everyone) >= 2 + 4, everyone   # 2 ranks, 2 workers each (and pin threads none: CPU)
+            for pid in everyone:
+                os.kill(pid, signal.SIGTERM)
+            job.wait(timeout=120)
+        text = read(log)
+        assert "stopped by SIGTERM at step" in text and "DataLoader worker" not in text, text[-3000:]
+        stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
+        assert 2 <= stopped_at < 12
+    resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags, env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and f", step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_model(tmp_path / "whole"), load_model(parts), tol=1e-6)
 
 
 def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
