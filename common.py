@@ -344,6 +344,11 @@ def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=2
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 
+def spread(samples, n):
+    """n of the samples, evenly spaced: a folder's list is sorted by class, and its first n would
+    all come from the first classes (--train-samples, --test-samples)."""
+    return samples if n is None or n >= len(samples) else [samples[i * len(samples) // n] for i in range(n)]
+
 def load_data(args, rank, world_size, device, memory_format, master):
     """What --data-dir holds, ready to train on: the training batches, evaluate(model) -> accuracy
     (every rank calls it), the model's name and number of classes. Fashion-MNIST's IDX
@@ -367,7 +372,7 @@ def load_data(args, rank, world_size, device, memory_format, master):
         classes, test_samples = 10, len(y_test)
     else:
         names, train_samples, val_samples = scan_image_folder(args.data_dir, master)
-        train_samples, val_samples = train_samples[:args.train_samples], val_samples[:args.test_samples]
+        train_samples, val_samples = spread(train_samples, args.train_samples), spread(val_samples, args.test_samples)
         if len(val_samples) < world_size:
             sys.exit(f"error: {args.data_dir}/val has {len(val_samples)} images, fewer than the {world_size} ranks"
                      if master else 1)
@@ -660,8 +665,10 @@ def base_parser(script, description, epochs, batch_size, lr, data=True, resnet=F
     p.add_argument("--out", default=os.path.join("runs", os.path.splitext(os.path.basename(script))[0]),
                    help="folder for metrics.json, curves.png and model.pt")
     p.add_argument("--max-steps", type=positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--train-samples", type=positive_int, help="use only the first N training images")
-    p.add_argument("--test-samples", type=positive_int, help="use only the first N test images")
+    p.add_argument("--train-samples", type=positive_int, help="use only the first N training images" +
+                   (" (of a folder: N spread evenly over its classes)" if recipe else ""))
+    p.add_argument("--test-samples", type=positive_int, help="use only the first N test images" +
+                   (" (of a folder: N spread evenly over its classes)" if recipe else ""))
     if recipe:   # the large-batch recipe and data from disk (ddp_resnet.py, fsdp_resnet.py)
         lr_action = next(a for a in p._actions if a.dest == "lr")
         lr_action.help = "learning rate for 256 samples, scaled linearly with the global batch (Goyal et al.)"

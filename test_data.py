@@ -105,6 +105,15 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     assert_same_weights(common.make_model("resnet18", 7, 3).state_dict(), common.make_model("resnet18", 7, 3).state_dict(), 0)
 
 
+def test_a_subset_of_a_folder_spans_its_classes(images):
+    """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48
+    (which come from the first five classes)."""
+    _, train, _ = common.scan_image_folder(str(images), True)
+    assert len({label for _, label in train[:48]}) <= 5
+    subset = common.spread(train, 48)
+    assert len(subset) == 48 and {label for _, label in subset} == set(range(10))
+
+
 # ---------------------------------------------------------------- resume, evaluation, uneven data
 @pytest.mark.parametrize("script, stop", [("ddp_resnet.py", "SIGTERM"), ("fsdp_resnet.py", "--max-steps")])
 def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, tmp_path):
