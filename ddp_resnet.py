@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
@@ -65,6 +66,27 @@ def load_checkpoint(path, arch, net, optimizer, scheduler, device, master):
         scheduler.load_state_dict(state[0]["scheduler"])
         common.restore_rng(state[0], device)
     return state[0]
+
+# ---------------------------------------------------------------- compressing what is sent
+def comm_hook(args, resumed, master):
+    """DDP: PyTorch's own communication hooks, which replace the allreduce of each bucket of
+    gradients. bf16/fp16: the bucket is cast down before the allreduce and back after (half the
+    bytes). PowerSGD (Vogels et al., 2019): each gradient matrix goes as two rank-R factors; what
+    that leaves out is added to the next step's gradient (error feedback, per rank), and the
+    factors start from the last step's (warm start). Returns (state, hook).
+
+    PowerSGD's memory is kept per DDP bucket, and DDP lays its buckets out anew after the first
+    step of every process (hence its plain allreduce for the first steps): memory saved by one
+    process would land in other buckets in the next. So a resume starts it afresh, and says so."""
+    if args.comm_hook in ("bf16", "fp16"):
+        return None, getattr(default_hooks, f"{args.comm_hook}_compress_hook")
+    if resumed and master:
+        print(f"note: PowerSGD starts afresh after a resume: plain allreduce for {args.powersgd_start} steps, "
+              f"then compression with empty error feedback (close to, not the same as, one uninterrupted run)",
+              flush=True)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                        start_powerSGD_iter=args.powersgd_start)   # error feedback, warm start: on
+    return state, powerSGD_hook.powerSGD_hook
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
@@ -145,7 +167,13 @@ def train(args):
                                        final_step, master)   # DDP: all ranks stop at the same step
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")   # see the top
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
-    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)   # DDP: the wrap
+    # DDP: the wrap. PowerSGD on gloo takes one bucket: it sends its factors from callbacks, and
+    # gloo runs several buckets' in different orders on different ranks (a size-mismatch abort).
+    one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
+    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
+                    bucket_cap_mb=1e6 if one_bucket else None)
+    if args.comm_hook:   # DDP: before the first backward
+        ddp_model.register_comm_hook(*comm_hook(args, state is not None, master))   # DDP: compress what is sent
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:
@@ -200,6 +228,13 @@ def parse_args(argv=None):
                    help="split each rank's batch into this many micro-batches (gradient accumulation)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
+                   help="compress the gradients DDP sends: to 16 bits, or PowerSGD's low-rank factors")
+    p.add_argument("--powersgd-rank", type=common.positive_int, default=4,
+                   help="PowerSGD: the rank of each gradient matrix's approximation")
+    p.add_argument("--powersgd-start", type=int, default=10,
+                   help="PowerSGD: plain allreduce for this many steps first (at least 2; PyTorch suggests "
+                        "~10%% of the training)")
     p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
                                         "steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint.pt)")
@@ -208,6 +243,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="go on from --checkpoint (as rank 0 sees it), mid-epoch too; without one, start at step 0")
     args = p.parse_args(argv)
+    if args.powersgd_start < 2:
+        p.error(f"argument --powersgd-start: must be 2 or more (DDP re-buckets after step 1), got {args.powersgd_start}")
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args
 

@@ -420,6 +420,37 @@ def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
     assert (step_compiled - step_eager).norm() / step_eager.norm() < 0.02
 
 
+@pytest.mark.parametrize("hook, nproc", [("bf16", 2), ("fp16", 1)])
+def test_16_bit_comm_hooks_step_the_fp32_way(hook, nproc, tmp_path):
+    """PyTorch's bf16/fp16 compression hooks: the reference step up to gradients rounded to 16
+    bits (not exactly it: the hook is in use)."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
+                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)], env=ONE_THREAD)
+    assert_ok(result)
+    step_fp32, step_16 = resnet_step(resnet_reference(nproc, steps=1)), resnet_step(load_model(tmp_path))
+    assert 0 < (step_16 - step_fp32).norm() / step_fp32.norm() < 0.02
+
+
+def test_powersgd_compresses_after_plain_steps_and_a_resume_starts_it_afresh(tmp_path):
+    """--powersgd-start 2: two plain allreduce steps (the reference's), then rank-1 factors
+    (another step). A resume at step 2 starts PowerSGD afresh, says so, and its next two steps
+    are plain again: the reference's 4 steps."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--comm-hook", "powersgd",
+                "--powersgd-rank", "1", "--powersgd-start", "2"] + RESNET
+    whole = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "whole")], env=ONE_THREAD)
+    stopped = run(torchrun + ["--max-steps", "2", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(whole)
+    assert_ok(stopped)
+    assert_same_weights(load_model(tmp_path / "parts"), resnet_reference(2, steps=2))
+    resumed = run(torchrun + ["--max-steps", "4", "--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "note: PowerSGD starts afresh after a resume: plain allreduce for 2 steps" in resumed.stdout
+    plain = resnet_reference(2, steps=4)
+    assert_same_weights(load_model(tmp_path / "parts"), plain)
+    compressed = resnet_step(load_model(tmp_path / "whole")) - resnet_step(plain)
+    assert compressed.norm() > 1e-3 * resnet_step(plain).norm()   # steps 3 and 4 were compressed
+
+
 # ---------------------------------------------------------------- fsdp_resnet.py
 @pytest.mark.parametrize("nproc, steps", [(2, 2), (3, 1)])
 def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, steps, tmp_path):
