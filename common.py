@@ -8,7 +8,7 @@ group.WORLD as a default argument when first imported. DDP imports it (through t
 after init_process_group, that default would keep the group and its threads alive past
 destroy_process_group, running while the interpreter shuts down, which is when finished ranks
 were seen to abort at random."""
-import argparse, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, time, types
+import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, time, types
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  (before any group exists: see the top)
@@ -294,10 +294,18 @@ def leave_stop_signals_to_the_rank(worker_id):
     """DataLoader workers ignore SIGTERM and SIGUSR1. SLURM signals every process of a job, the
     workers too, and a worker killed by it makes its rank raise "DataLoader worker is killed by
     signal" mid-step instead of stopping at the agreed step boundary. The rank's own handler
-    decides; its workers end with it (they watch their parent)."""
+    decides, and the rank stops its workers itself (stop_workers)."""
     for name in ("SIGTERM", "SIGUSR1"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+def stop_workers(iterator):
+    """Shut a DataLoader iterator's workers down now, the way torch does when it is done with
+    them. Left to the interpreter's exit, multiprocessing would end them with SIGTERM, which they
+    ignore, and wait for them for ever."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)   # absent without workers
+    if shutdown:
+        shutdown()
 
 class FolderBatches:
     """The same batches read from disk: DataLoader workers decode and augment this rank's share
@@ -310,17 +318,21 @@ class FolderBatches:
                                                   worker_init_fn=leave_stop_signals_to_the_rank)
         self.global_batch, self.num_samples = global_batch, len(dataset)
         self.device, self.memory_format = device, memory_format
+        self.iterator = None   # the workers' (kept across epochs)
+        atexit.register(lambda: stop_workers(self.iterator))   # however the run ends: done, stopped, failed
 
     def __len__(self):
         return self.num_samples // self.global_batch
 
     def epoch(self, epoch, start, stop):
         self.sampler.set_epoch(epoch, start, stop)
+        self.iterator = iter(self.loader)
         try:
-            for X, y in self.loader:
+            for X, y in self.iterator:
                 yield (X.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format),
                        y.to(self.device, non_blocking=True))
         except UnreadableImage as e:   # from a worker, with its traceback: say the one line
+            stop_workers(self.iterator)
             raise SystemExit(e.line()) from None
 
 def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=250, workers=0):
@@ -332,13 +344,15 @@ def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=2
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=min(workers, passes),
                                          pin_memory=device.type == "cuda", worker_init_fn=leave_stop_signals_to_the_rank)
     totals = torch.zeros(2, device=device, dtype=torch.float64)
+    iterator = iter(loader)
     with torch.no_grad():
         try:
-            for X, y in loader:
+            for X, y in iterator:
                 y = y.to(device, non_blocking=True)
                 totals += torch.stack([(predict(X.to(device, non_blocking=True)).argmax(1) == y).sum(),
                                        torch.tensor(len(y), device=device)]).double()
         except UnreadableImage as e:
+            stop_workers(iterator)
             raise SystemExit(e.line()) from None
     if world_size > 1:
         dist.all_reduce(totals)

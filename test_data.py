@@ -4,7 +4,7 @@ import gzip, json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
 import common
-from conftest import DATA, HERE, ONE_THREAD, assert_ok, assert_same_weights, children_of, load_model, read, run, wait_for
+from conftest import DATA, HERE, ONE_THREAD, assert_ok, assert_same_weights, children_of, load_model, read, run, running, wait_for
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -148,6 +148,8 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
             job.wait(timeout=120)
         text = read(log)
         assert "stopped by SIGTERM at step" in text and "DataLoader worker" not in text, text[-3000:]
+        assert "exitcode  : 75" in text, text[-3000:]
+        wait_for(lambda: not any(running(pid) for pid in everyone), 30, "every rank and worker to exit")
         stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
         assert 2 <= stopped_at < 12
     resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags, env=ONE_THREAD)
