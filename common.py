@@ -388,8 +388,8 @@ def load_data(args, rank, world_size, device, memory_format, master):
         names, train_samples, val_samples = scan_image_folder(args.data_dir, master)
         train_samples, val_samples = spread(train_samples, args.train_samples), spread(val_samples, args.test_samples)
         if len(val_samples) < world_size:
-            sys.exit(f"error: {args.data_dir}/val has {len(val_samples)} images, fewer than the {world_size} ranks"
-                     if master else 1)
+            sys.exit(f"error: {args.data_dir}/val has {len(val_samples)} images, fewer than the {world_size} ranks; "
+                     f"add images or use fewer ranks" if master else 1)
         size = args.image_size or (28 if one_channel else 224)
         train_transform, val_transform = image_transforms(size, one_channel, augment=not args.no_augment)
         mode = "L" if one_channel else "RGB"
