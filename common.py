@@ -146,6 +146,12 @@ def load_fashion_mnist(data_dir, train_samples=None, test_samples=None, rank=0, 
         out[split] = (((images.float() / 255) - MEAN) / STD).unsqueeze(1), labels
     return out
 
+def rank_shares(num_samples, global_batch, seed, epoch, rank, world_size, start=0, stop=None):
+    """Rows of this rank's sample indices, one per global batch of the epoch, from batch `start`
+    to `stop`: its 1/world_size of each of epoch_batches' rows."""
+    batches = epoch_batches(num_samples, global_batch, seed, epoch)[start:stop]
+    return batches.view(len(batches), world_size, global_batch // world_size)[:, rank]
+
 def epoch_batches(num_samples, batch_size, seed, epoch):
     """The epoch's global batches as rows of sample indices, drawn from (seed, epoch) alone, so
     every rank and every world size sees the same sequence. The partial last batch is dropped."""
@@ -198,12 +204,11 @@ def scan_image_folder(data_dir, master):
             samples += [(os.path.join(folder, f), label) for f in files]
         splits[split] = (classes, samples)
     (train_classes, train), (val_classes, val) = splits["train"], splits["val"]
-    if train_classes != val_classes:
+    if train_classes != val_classes:   # both sorted: they differ only in which classes they hold
         only = lambda a, b: ", ".join(sorted(set(a) - set(b))) or "none"
         refuse(f"{data_dir}/train and {data_dir}/val have different classes (only in train/: "
                f"{only(train_classes, val_classes)}; only in val/: {only(val_classes, train_classes)}): "
-               f"give both the same class folders" if set(train_classes) != set(val_classes) else
-               f"{data_dir}: train/ and val/ sort their classes differently")
+               f"give both the same class folders")
     return train_classes, train, val
 
 class UnreadableImage(Exception):
@@ -269,9 +274,9 @@ class RankBatches(torch.utils.data.Sampler):
         return len(range(self.num_samples // self.global_batch)[self.start:self.stop])
 
     def __iter__(self):
-        batches = epoch_batches(self.num_samples, self.global_batch, self.seed, self.epoch)[self.start:self.stop]
-        for batch in batches:
-            yield [(self.epoch, int(i)) for i in batch.view(self.world_size, -1)[self.rank]]
+        for share in rank_shares(self.num_samples, self.global_batch, self.seed, self.epoch, self.rank,
+                                 self.world_size, self.start, self.stop).tolist():
+            yield [(self.epoch, i) for i in share]
 
 class MemoryBatches:
     """Fashion-MNIST held on the device: each epoch, this rank's share of every global batch,
@@ -285,9 +290,9 @@ class MemoryBatches:
         return self.num_samples // self.global_batch
 
     def epoch(self, epoch, start, stop):
-        batches = epoch_batches(len(self.labels), self.global_batch, self.seed, epoch).to(self.labels.device)
-        for batch in batches[start:stop]:
-            idx = batch.view(self.world_size, -1)[self.rank]
+        shares = rank_shares(self.num_samples, self.global_batch, self.seed, epoch, self.rank, self.world_size,
+                             start, stop).to(self.labels.device)   # one copy an epoch, none per step
+        for idx in shares:
             yield self.images[idx].contiguous(memory_format=self.memory_format), self.labels[idx]
 
 def leave_stop_signals_to_the_rank(worker_id):
@@ -306,6 +311,15 @@ def stop_workers(iterator):
     shutdown = getattr(iterator, "_shutdown_workers", None)   # absent without workers
     if shutdown:
         shutdown()
+
+def from_workers(iterator):
+    """A DataLoader iterator's batches; an image a worker could not read ends the run with its
+    one line, the workers stopped first."""
+    try:
+        yield from iterator
+    except UnreadableImage as e:   # from a worker, with its traceback as text
+        stop_workers(iterator)
+        raise SystemExit(e.line()) from None
 
 class FolderBatches:
     """The same batches read from disk: DataLoader workers decode and augment this rank's share
@@ -327,36 +341,18 @@ class FolderBatches:
     def epoch(self, epoch, start, stop):
         self.sampler.set_epoch(epoch, start, stop)
         self.iterator = iter(self.loader)
-        try:
-            for X, y in self.iterator:
-                yield (X.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format),
-                       y.to(self.device, non_blocking=True))
-        except UnreadableImage as e:   # from a worker, with its traceback: say the one line
-            stop_workers(self.iterator)
-            raise SystemExit(e.line()) from None
+        for X, y in from_workers(self.iterator):
+            yield (X.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format),
+                   y.to(self.device, non_blocking=True))
 
 def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=250, workers=0):
-    """Accuracy on a folder split, as `evaluate`: every image counted once at any world size (each
-    rank its own slice, no padding), every rank making the same number of forward passes."""
-    mine = torch.arange(len(dataset)).tensor_split(world_size)[rank]
-    passes = max(1, math.ceil(math.ceil(len(dataset) / world_size) / batch_size))
-    batches = [[(0, int(i)) for i in chunk] for chunk in mine.tensor_split(passes)]
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=min(workers, passes),
-                                         pin_memory=device.type == "cuda", worker_init_fn=leave_stop_signals_to_the_rank)
-    totals = torch.zeros(2, device=device, dtype=torch.float64)
-    iterator = iter(loader)
-    with torch.no_grad():
-        try:
-            for X, y in iterator:
-                y = y.to(device, non_blocking=True)
-                totals += torch.stack([(predict(X.to(device, non_blocking=True)).argmax(1) == y).sum(),
-                                       torch.tensor(len(y), device=device)]).double()
-        except UnreadableImage as e:
-            stop_workers(iterator)
-            raise SystemExit(e.line()) from None
-    if world_size > 1:
-        dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    """Accuracy on a folder split, as `evaluate` scores the in-memory one (the same slices),
+    its images read by workers."""
+    chunks = eval_chunks(len(dataset), rank, world_size, batch_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[(0, i) for i in c.tolist()] for c in chunks],
+                                         num_workers=min(workers, len(chunks)), pin_memory=device.type == "cuda",
+                                         worker_init_fn=leave_stop_signals_to_the_rank)
+    return accuracy(predict, from_workers(iter(loader)), device, world_size)
 
 def spread(samples, n):
     """n of the samples, evenly spaced: a folder's list is sorted by class, and its first n would
@@ -472,20 +468,29 @@ def fashion_resnet18(seed, num_classes=10):
     return net
 
 # ---------------------------------------------------------------- evaluation and timing
-@torch.no_grad()
-def evaluate(predict, images, labels, device, rank=0, world_size=1, batch_size=1000):
-    """Accuracy on the whole split: each rank scores its own slice (no padding, so nothing is
-    counted twice), then [correct, count] is summed over ranks before dividing. Every rank makes
+def eval_chunks(num_samples, rank, world_size, batch_size):
+    """This rank's evaluation batches: its own slice of the split (no padding, so nothing is
+    counted twice), cut into as many batches as the largest slice needs, so that every rank makes
     the same number of forward passes: with FSDP a forward is a collective (it gathers weights)."""
-    mine = torch.arange(len(labels)).tensor_split(world_size)[rank]
-    passes = max(1, math.ceil(math.ceil(len(labels) / world_size) / batch_size))   # the largest slice's
-    correct = torch.zeros((), device=device)
-    for idx in mine.tensor_split(passes):
-        correct += (predict(images[idx].to(device)).argmax(1) == labels[idx].to(device)).sum()
-    totals = torch.stack([correct, torch.tensor(float(len(mine)), device=device)]).double()
+    mine = torch.arange(num_samples).tensor_split(world_size)[rank]
+    return mine.tensor_split(max(1, math.ceil(math.ceil(num_samples / world_size) / batch_size)))
+
+@torch.no_grad()
+def accuracy(predict, batches, device, world_size):
+    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing."""
+    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    for X, y in batches:
+        y = y.to(device, non_blocking=True)
+        totals[0] += (predict(X.to(device, non_blocking=True)).argmax(1) == y).sum()
+        totals[1] += len(y)
     if world_size > 1:
         dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
+
+def evaluate(predict, images, labels, device, rank=0, world_size=1, batch_size=1000):
+    """Accuracy on the whole split held in memory, every image counted once at any world size."""
+    chunks = eval_chunks(len(labels), rank, world_size, batch_size)
+    return accuracy(predict, ((images[idx], labels[idx]) for idx in chunks), device, world_size)
 
 def broadcast_buffers(module):
     """BatchNorm's running statistics are updated by each rank's own batches; give every rank
@@ -640,27 +645,16 @@ def restore_rng(state, device):
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
 
 # ---------------------------------------------------------------- command line and outputs
-def _positive(kind):
+def _at_least(kind, zero_allowed):
     def parse(text):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (value >= 0 if zero_allowed else value > 0):
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if zero_allowed else 'positive'}, got {text}")
         return value
     return parse
 
-positive_int, positive_float = _positive(int), _positive(float)
-
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-def non_negative_float(text):
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+positive_int, positive_float = _at_least(int, False), _at_least(float, False)
+non_negative_int, non_negative_float = _at_least(int, True), _at_least(float, True)
 
 def base_parser(script, description, epochs, batch_size, lr, data=True, resnet=False, distributed=False,
                 recipe=False):
