@@ -522,6 +522,39 @@ class Progress:
             self.last_print, eta = now, (now - self.start) / (batch - self.first) * (self.last - batch)
             print(f"  epoch {self.epoch} batch {batch}/{self.batches}  ETA {eta:.0f} s", flush=True)
 
+# ---------------------------------------------------------------- what each rank sends
+class SentBytes:
+    """The bytes this rank hands to collectives in its training steps, counted from the tensors it
+    passes, by collective and group: the input of an allreduce or a reduce-scatter, a rank's own
+    shard of an all-gather, the tensor of a broadcast. What crosses the wire follows from it: a
+    ring allreduce of n bytes over W ranks sends 2 (W-1)/W n from each rank, a reduce-scatter of
+    n bytes (W-1)/W n, an all-gather of shards of s bytes (W-1) s."""
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, collective, group, *tensors):
+        key = f"{collective} ({group})"
+        self.counts[key] = self.counts.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
+
+    def count_all_reduce(self, *modules, group):
+        """Count every allreduce that code in `modules` starts through their `dist.all_reduce`:
+        PyTorch's DDP communication hooks (default_hooks, powerSGD_hook) start theirs that way,
+        in the hook and in its futures' callbacks, where no wrapper of the hook could see them."""
+        counter = self
+        class Counted(types.ModuleType):   # torch.distributed, with all_reduce counted
+            def __getattr__(self, name):
+                return getattr(dist, name)
+            def all_reduce(self, tensor, *args, **kwargs):
+                counter.add("all_reduce", group, tensor)
+                return dist.all_reduce(tensor, *args, **kwargs)
+        for module in modules:
+            module.dist = Counted("torch.distributed")
+
+    def record(self, metrics, steps):
+        """metrics["sent_bytes_per_step"]: the mean over this run's `steps`, and by collective."""
+        by = {k: round(v / steps) for k, v in self.counts.items()} if steps else {}
+        metrics.update(sent_bytes_per_step=sum(by.values()), sent_bytes_by_collective=by)
+
 # ---------------------------------------------------------------- preemption and resuming
 PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0, which a scheduler or a pipeline would take
                  # for a finished training, and not 1, which says something broke
@@ -784,7 +817,8 @@ def finish(metrics, steps, seconds, state_dict):
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(devices)} "
           f"({metrics['backend']}, {metrics['layout']}): test acc "
           f"{metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
-          f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s; "
+          f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
+          f"{metrics.get('sent_bytes_per_step', 0) / 1e6:.3g} MB sent per step and rank; "
           f"wrote {metrics['config']['out']}/{{metrics.json,curves.png,model.pt}}", flush=True)
 
 def write_images(data_dir, out, train_samples=None, test_samples=None):

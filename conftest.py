@@ -71,7 +71,7 @@ def resnet_step(weights):
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
-def resnet_reference(shards, steps=2, lr=0.05 * 16 / 256):
+def resnet_reference(shards, steps=2, lr=0.05 * 16 / 256, batch_size=16, samples=64):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
     as each torchrun worker has: early ResNet steps amplify the rounding of other summation
@@ -79,23 +79,23 @@ def resnet_reference(shards, steps=2, lr=0.05 * 16 / 256):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _resnet_reference(shards, steps, lr)
+        return _resnet_reference(shards, steps, lr, batch_size, samples)
     finally:
         torch.set_num_threads(threads)
 
 
-def _resnet_reference(shards, steps, lr):
-    X_train, y_train = common.load_fashion_mnist(DATA, 64, 1)["train"]
+def _resnet_reference(shards, steps, lr, batch_size, samples):
+    X_train, y_train = common.load_fashion_mnist(DATA, samples, 1)["train"]
     net = common.fashion_resnet18(0)
     # ddp_resnet's recipe: --lr 0.05 for 256 samples at a global batch of 16; no weight decay on
-    # BatchNorm and biases; the cosine of 5 epochs of 4 steps
+    # BatchNorm and biases; the cosine of 5 epochs
     decay = [p for p in net.parameters() if p.ndim > 1]
     rest = [p for p in net.parameters() if p.ndim == 1]
     optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": rest, "weight_decay": 0}],
                                 lr=lr, momentum=0.9)
-    for step, idx in enumerate(common.epoch_batches(64, 16, seed=0, epoch=1)[:steps]):
+    for step, idx in enumerate(common.epoch_batches(samples, batch_size, seed=0, epoch=1)[:steps]):
         for group in optimizer.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / 20))
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / (5 * (samples // batch_size))))
         net.zero_grad(set_to_none=True)
         replicas = [copy.deepcopy(net) for _ in range(shards)]
         for replica, part in zip(replicas, idx.view(shards, -1)):

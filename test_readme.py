@@ -4,10 +4,11 @@ import glob, os, re
 import pytest
 from conftest import HERE
 
-SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet")
+SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet")
 # The tag of each script's distribution-only lines; the README lists the same.
-TAGS = {"scratch_ring": "RING", "dp_resnet": "DP", "ddp_toy": "DDP", "ddp_resnet": "DDP", "fsdp_resnet": "FSDP"}
-TAG = re.compile(r"(?<!`)#\s*([A-Z]{2,}[\w ]*?):\s")   # "# DDP: ..."; not "`# DDP:`" in prose
+TAGS = {"scratch_ring": "RING", "dp_resnet": "DP", "ddp_toy": "DDP", "ddp_resnet": "DDP", "fsdp_resnet": "FSDP",
+        "diloco_resnet": "DiLoCo"}
+TAG = re.compile(r"(?<!`)#\s*([A-Z]{2,}[\w ]*?|DiLoCo):\s")   # "# DDP: ..."; not "`# DDP:`" in prose
 COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|broadcast_buffers\(|fully_shard\(|\bDDP\(|"
                           r"nn\.DataParallel\(|dcp\.(save|load)\(")
 

@@ -1,0 +1,253 @@
+"""ResNet-18 on Fashion-MNIST, or your own image folder, with DiLoCo: ranks train alone for H steps, then average what they learned.
+
+    python diloco_resnet.py                                   # one process, no launcher needed
+    torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 10
+    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py --local-steps 50
+
+DDP allreduces the gradients at every step; over a slow link between machines that wait is most
+of the step. DiLoCo (Douillard et al., 2023) talks H times less often. Each rank trains its own
+replica on its share of each global batch for `--local-steps` H inner steps, with ddp_resnet.py's
+optimizer (SGD, momentum 0.9, the large-batch recipe), its momentum kept per rank. Then the ranks
+average the pseudo-gradient, the shared weights of the last sync minus their own, and an outer SGD
+with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) steps the shared
+weights with it; every replica starts the next round from them. BatchNorm statistics are rank 0's
+at each sync, as in ddp_resnet.py.
+
+With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
+average of the ranks' SGD updates from the same weights is the update of their averaged gradient
+(momentum is linear too). That is the lesson's proof, and a test.
+
+Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use
+the shared weights of the last sync. A checkpoint holds the shared weights, the outer momentum and
+every rank's replica with its inner optimizer: a run stopped inside a round resumes in it (at the
+same world size). Lines that exist only because of distribution are tagged `# DiLoCo:`.
+"""
+import math, os, time
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import common
+
+# ---------------------------------------------------------------- the outer step: what makes this DiLoCo
+class Outer:
+    """The shared weights (of the last sync) and the outer optimizer that steps them."""
+    def __init__(self, net, lr, momentum):
+        self.params = [p.detach().clone() for p in net.parameters()]   # where every replica started the round
+        self.buffers = [b.detach().clone() for b in net.buffers()]
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    def sync(self, net, world_size, sent):
+        """The end of a round: one allreduce of every parameter's pseudo-gradient (the weights of
+        the round's start minus this rank's), averaged, an outer step of the shared weights, and
+        every replica set to them; rank 0's BatchNorm statistics for all."""
+        pseudo = torch.cat([(start - p.detach()).flatten() for start, p in zip(self.params, net.parameters())])
+        sent.add("all_reduce", f"{world_size} ranks", pseudo)
+        dist.all_reduce(pseudo)   # DiLoCo: the round's only exchange of weights, H steps' worth
+        pseudo /= world_size
+        for start, part in zip(self.params, pseudo.split([p.numel() for p in self.params])):
+            start.grad = part.view_as(start)
+        self.optimizer.step()   # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum
+        for buffer in net.buffers():
+            sent.add("broadcast", f"{world_size} ranks", buffer)
+            dist.broadcast(buffer, src=0)   # DiLoCo: BatchNorm statistics: rank 0's, as ddp_resnet.py keeps
+        with torch.no_grad():
+            for p, start in zip(net.parameters(), self.params):
+                p.copy_(start)   # every replica starts the next round from the shared weights
+            for b, shared in zip(net.buffers(), self.buffers):
+                shared.copy_(b)
+
+    def shared_state(self, net):
+        """The shared weights as a state dict of `net`'s names (for evaluation and model.pt)."""
+        names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
+        return dict(zip(names, self.params + self.buffers))
+
+    def state_dict(self):
+        return {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            for mine, saved in zip(self.params + self.buffers, state["params"] + state["buffers"]):
+                mine.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+def evaluate_shared(data, net, outer):
+    """Test accuracy of the shared weights; this rank's replica is put back after."""
+    replica = {k: v.clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(outer.shared_state(net))
+    net.eval()
+    accuracy = data.evaluate(net)   # DiLoCo: each rank scores its slice; [correct, count] summed
+    net.load_state_dict(replica)
+    return accuracy
+
+# ---------------------------------------------------------------- checkpoints: the shared weights and every replica
+def save_checkpoint(path, arch, net, optimizer, scheduler, outer, position, history, device, rank, world_size):
+    """Rank 0 writes one file: the position, the shared weights and outer momentum, and each
+    rank's replica, inner optimizer and random state, gathered (inside a round they differ)."""
+    replica = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)}
+    replicas = [None] * world_size if rank == 0 else None
+    dist.gather_object(replica, replicas, dst=0)   # DiLoCo: every rank's replica to rank 0
+    if rank == 0:
+        state = {"arch": arch, "world_size": world_size, **position, "history": history, "outer": outer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "replicas": replicas}
+        common.save_atomically(lambda tmp: torch.save(state, tmp), path)
+
+def load_checkpoint(path, arch, net, optimizer, scheduler, outer, device, rank, world_size):
+    """Rank 0 reads and checks the file, then sends each rank its replica and all the rest.
+    Returns the checkpoint (without replicas), or None when there is none; errors exit, said once."""
+    state = [None]
+    if rank == 0 and not os.path.exists(path):
+        print(f"no checkpoint at {path}: training starts from step 0", flush=True)
+    elif rank == 0:
+        try:
+            state[0] = torch.load(path, map_location="cpu")
+            if not isinstance(state[0], dict) or state[0].get("arch") != arch or "outer" not in state[0]:
+                raise ValueError(f"it holds no diloco_resnet.py checkpoint of {arch}")
+            if state[0]["world_size"] != world_size:
+                raise ValueError(f"it was written by {state[0]['world_size']} ranks, each with its own replica; "
+                                 f"resume with {state[0]['world_size']}")
+            net.load_state_dict(state[0]["replicas"][0]["model"])   # checked here, once
+        except Exception as e:
+            state[0] = f"error: cannot resume from {path}: {' '.join(str(e).split())[:400]}"
+    replicas = state[0].pop("replicas") if isinstance(state[0], dict) else [None] * world_size
+    dist.broadcast_object_list(state, src=0)   # DiLoCo: the position and shared weights, or the verdict
+    if isinstance(state[0], str):
+        raise SystemExit(state[0] if rank == 0 else 1)
+    if state[0]:
+        mine = [None]
+        dist.scatter_object_list(mine, replicas if rank == 0 else None, src=0)   # DiLoCo: each rank its replica
+        net.load_state_dict(mine[0]["model"])
+        optimizer.load_state_dict(mine[0]["optimizer"])
+        common.restore_rng(mine[0], device)
+        outer.load_state_dict(state[0]["outer"])
+        scheduler.load_state_dict(state[0]["scheduler"])
+    return state[0]
+
+# ---------------------------------------------------------------- training
+def train(args):
+    # DiLoCo: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), gloo between CPUs
+    if backend == "nccl":
+        common.check_gpu_count(processes_here, rank=rank)   # DiLoCo: one GPU per process
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        common.share_cores(processes_here)
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DiLoCo: wait for all ranks
+                            rank=rank, world_size=world_size)
+    master = rank == 0   # DiLoCo: rank 0 alone prints and writes
+    if master:
+        common.check_out_dir(args.out)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    data = common.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
+    global_batch = data.train.global_batch
+    rank_batch = global_batch // world_size
+
+    net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
+    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples of the global batch
+    optimizer = torch.optim.SGD(common.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)   # inner, per rank
+    steps_per_epoch = len(data.train)
+    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                   steps_per_epoch * args.epochs, args.schedule)
+    outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
+    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
+                                 world_size, data.test_samples)
+    drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
+    position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
+    state = (load_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, outer, device, rank, world_size)
+             if args.resume else None)
+    if state:
+        position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
+        metrics["epochs"] = state["history"]
+        if position is None:   # nothing left to train
+            dist.destroy_process_group()   # DiLoCo: leave cleanly
+            return outer.shared_state(net)
+    last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
+    final_step = min(args.max_steps or math.inf, last_step)
+    def save(here):   # DiLoCo: every rank sends its replica; rank 0 writes
+        save_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, outer, here, metrics["epochs"],
+                        device, rank, world_size)
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
+                                       final_step, master)   # DiLoCo: all ranks stop at the same step
+    sent = common.SentBytes()
+    if master:
+        print(f"diloco_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
+              f"{global_batch} = {world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {global_batch}/256), "
+              f"{args.schedule} after {args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} "
+              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
+    step, first_step, start = position["step"], position["step"], time.perf_counter()
+    for epoch in range(position["epoch"], args.epochs + 1):
+        if step >= final_step:   # --max-steps reached at the end of the last epoch
+            break
+        batches = len(data.train)
+        done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
+        last = min(batches, done + final_step - step)   # where --max-steps may stop this epoch
+        progress = common.Progress(epoch, batches, master, first=done, last=last)
+        timer = common.Timer(device, already=position["seconds"] if done else 0.0)
+        totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        net.train()
+        for batch_in_epoch, (X, y) in enumerate(data.train.epoch(epoch, done, last), done + 1):   # this rank's share
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
+                logits = net(X)
+                loss = F.cross_entropy(logits, y)
+            loss.backward()   # this rank's gradient only: nothing is sent
+            optimizer.step()   # the inner step, of this rank's replica
+            scheduler.step()
+            totals[:2] += torch.stack([loss.detach().float() * len(y), (logits.argmax(1) == y).sum().float()])
+            totals[2] += len(y)
+            step += 1
+            if step % args.local_steps == 0 or step == last_step:
+                outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
+            progress(batch_in_epoch)
+            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # DiLoCo: may stop here
+        seconds = timer()
+        if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
+            checkpoints.save(epoch, last, step, totals, seconds, batches)
+        dist.all_reduce(totals)   # DiLoCo: loss, hits and samples over all ranks
+        test_acc = evaluate_shared(data, net, outer)   # the shared weights of the last sync
+        net.train()
+        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        if last < batches:
+            break
+        checkpoints.epoch_done(epoch, step)
+    checkpoints.close()
+    if master and metrics["epochs"]:
+        if step % args.local_steps and step != last_step:
+            print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
+                  f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
+        sent.record(metrics, step - first_step)
+        common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net))
+    dist.destroy_process_group()   # DiLoCo: leave cleanly
+    return outer.shared_state(net)
+
+# ---------------------------------------------------------------- command line
+def parse_args(argv=None):
+    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
+                           resnet=True, distributed=True, recipe=True)
+    p.add_argument("--local-steps", type=common.positive_int, default=10,
+                   help="H: inner steps each rank takes alone between two syncs (1: every step, as DDP)")
+    p.add_argument("--outer-lr", type=common.positive_float, default=0.7,
+                   help="the outer SGD's learning rate, on the averaged pseudo-gradient")
+    p.add_argument("--outer-momentum", type=common.non_negative_float, default=0.9,
+                   help="the outer SGD's Nesterov momentum (0: none)")
+    p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
+                                        "steps, where the run stops and on SIGTERM/SIGUSR1 "
+                                        "(default: <out>/checkpoint.pt)")
+    p.add_argument("--checkpoint-every", type=common.positive_int,
+                   help="also write the checkpoint every N optimizer steps, inside epochs and rounds")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from --checkpoint (as rank 0 sees it), mid-round too; without one, start at step 0")
+    args = p.parse_args(argv)
+    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
+    return args
+
+def main(argv=None):
+    args = parse_args(argv)
+    common.default_to_one_process()   # plain `python diloco_resnet.py`: a group of one
+    return train(args)
+
+if __name__ == "__main__":
+    main()

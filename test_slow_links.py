@@ -1,0 +1,56 @@
+"""Training over slow links: DiLoCo is DDP when it syncs every step and resumes inside a round,
+and what each script hands to collectives per step is counted from the tensors it passes."""
+import json
+import pytest
+import common
+from conftest import DATA, ONE_THREAD, PREEMPTIBLE, assert_ok, assert_same_weights, load_model, resnet_reference, run
+
+RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
+BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.fashion_resnet18(0).buffers())
+
+
+def metrics(out):
+    return json.load(open(out / "metrics.json"))
+
+
+@pytest.mark.parametrize("nproc, batch_size", [(2, 16), (3, 24)])
+def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
+    """--local-steps 1 --outer-lr 1 --outer-momentum 0: the ranks' averaged SGD updates (with
+    momentum, kept per rank) are the update of the averaged gradient: ddp_resnet.py's step (the
+    reference, which ddp_resnet.py is tested to take), 3 steps. A small learning rate: DiLoCo
+    averages weight differences, rounded at the weights' scale (1e-7), and at --lr 0.05 ResNet's
+    first steps on 8 images per rank amplify that to 3e-4 in 3 steps (2e-5 in 2)."""
+    lr = 0.002
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "diloco_resnet.py", "--local-steps", "1",
+                  "--outer-lr", "1", "--outer-momentum", "0", "--lr", str(lr), "--batch-size", str(batch_size),
+                  "--train-samples", str(4 * batch_size), "--test-samples", "101", "--max-steps", "3",
+                  "--data-dir", DATA, "--out", str(tmp_path)], env=ONE_THREAD)
+    assert_ok(result)
+    reference = resnet_reference(nproc, steps=3, lr=lr * batch_size / 256, batch_size=batch_size,
+                                 samples=4 * batch_size)
+    assert_same_weights(load_model(tmp_path), reference)
+    # every step: the pseudo-gradient (every parameter, fp32) and rank 0's BatchNorm statistics
+    assert metrics(tmp_path)["sent_bytes_by_collective"] == {f"all_reduce ({nproc} ranks)": RESNET_BYTES,
+                                                             f"broadcast ({nproc} ranks)": BUFFER_BYTES}
+    assert f"{(RESNET_BYTES + BUFFER_BYTES) / 1e6:.3g} MB sent per step and rank" in result.stdout
+
+
+def test_diloco_resumes_inside_a_round(tmp_path):
+    """Rounds of 3 steps, outer Nesterov momentum: stopped at step 4 (a round under way, the
+    replicas apart), resumed to step 12, it ends with the uninterrupted run's weights. The
+    stopped run's model.pt is the shared weights of step 3, and it says so."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "3"] + PREEMPTIBLE
+    whole = run(torchrun + ["--out", str(tmp_path / "whole")], env=ONE_THREAD)
+    stopped = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(whole)
+    assert_ok(stopped)
+    assert "model.pt holds the shared weights of the last sync (step 3)" in stopped.stdout
+    resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and "batch 4/6, step 4" in resumed.stdout
+    assert_same_weights(load_model(tmp_path / "parts"), load_model(tmp_path / "whole"), tol=1e-6)
+    for parts, whole in zip(metrics(tmp_path / "parts")["epochs"], metrics(tmp_path / "whole")["epochs"]):
+        assert parts["test_acc"] == whole["test_acc"]
+        assert parts["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-6)
+    # 12 steps, 4 syncs: a third of the pseudo-gradient per step
+    assert metrics(tmp_path / "whole")["sent_bytes_by_collective"]["all_reduce (2 ranks)"] == RESNET_BYTES / 3
