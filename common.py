@@ -530,9 +530,20 @@ class SentBytes:
     ring allreduce of n bytes over W ranks sends 2 (W-1)/W n from each rank, a reduce-scatter of
     n bytes (W-1)/W n, an all-gather of shards of s bytes (W-1) s."""
     def __init__(self):
-        self.counts = {}
+        self.counts, self.counting = {}, True
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Not counted: what is sent outside the training steps (an evaluation's all-gathers)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def add(self, collective, group, *tensors):
+        if not self.counting:
+            return
         key = f"{collective} ({group})"
         self.counts[key] = self.counts.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -549,6 +560,46 @@ class SentBytes:
                 return dist.all_reduce(tensor, *args, **kwargs)
         for module in modules:
             module.dist = Counted("torch.distributed")
+
+    @classmethod
+    def of_ddp(cls, ddp_model, world_size, state=None, hook=None):
+        """Register a DDP communication hook, with the tensors it sends counted; without one,
+        PyTorch's plain `allreduce_hook`: the sum DDP does by itself, in Python, so it is seen."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        sent = cls()
+        sent.count_all_reduce(default_hooks, powerSGD_hook, group=f"{world_size} ranks")
+        ddp_model.register_comm_hook(state, hook or default_hooks.allreduce_hook)
+        return sent
+
+    @classmethod
+    def of_fsdp(cls, model, mesh):
+        """Count what FSDP2 sends, through its own places for that: the all-gather and the
+        reduce-scatter of every sharded module (set_custom_*: PyTorch's default collectives,
+        counted), and on a 2-D mesh (HSDP) the all-reduce of the reduce-scattered gradient
+        across the replicas (set_all_reduce_hook: it is handed the tensor just all-reduced)."""
+        from torch.distributed.fsdp import FSDPModule
+        # the defaults that FSDP2 uses itself (a private module of torch 2.14), with a count added
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+        sent = cls()
+        dims = mesh.mesh_dim_names or ("shard",)
+        name = {mesh.get_group(d).group_name: f"{d} group of {mesh.size(i)}" if mesh.ndim > 1 else f"{mesh.size()} ranks"
+                for i, d in enumerate(dims)}
+        class AllGather(DefaultAllGather):
+            def __call__(self, output_tensor, input_tensor, group, *args, **kwargs):
+                sent.add("all_gather", name[group.group_name], input_tensor)
+                return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
+        class ReduceScatter(DefaultReduceScatter):
+            def __call__(self, output_tensor, input_tensor, group, *args, **kwargs):
+                sent.add("reduce_scatter", name[group.group_name], input_tensor)
+                return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
+        replicas = f"replicate group of {mesh.size(0)}"
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(AllGather())
+                module.set_custom_reduce_scatter(ReduceScatter())
+                if mesh.ndim > 1:
+                    module.set_all_reduce_hook(lambda reduced: sent.add("all_reduce", replicas, reduced))
+        return sent
 
     def record(self, metrics, steps):
         """metrics["sent_bytes_per_step"]: the mean over this run's `steps`, and by collective."""
@@ -818,7 +869,7 @@ def finish(metrics, steps, seconds, state_dict):
           f"({metrics['backend']}, {metrics['layout']}): test acc "
           f"{metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
           f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
-          f"{metrics.get('sent_bytes_per_step', 0) / 1e6:.3g} MB sent per step and rank; "
+          f"{metrics.get('sent_bytes_per_step', 0) / 1e6:.3g} MB to collectives per step and rank; "
           f"wrote {metrics['config']['out']}/{{metrics.json,curves.png,model.pt}}", flush=True)
 
 def write_images(data_dir, out, train_samples=None, test_samples=None):

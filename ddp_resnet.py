@@ -172,8 +172,9 @@ def train(args):
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
                     bucket_cap_mb=1e6 if one_bucket else None)
-    if args.comm_hook:   # DDP: before the first backward
-        ddp_model.register_comm_hook(*comm_hook(args, state is not None, master))   # DDP: compress what is sent
+    # DDP: before the first backward: compress what is sent (--comm-hook), and count it
+    sent = common.SentBytes.of_ddp(ddp_model, world_size, *(comm_hook(args, state is not None, master)   # DDP: hook
+                                                            if args.comm_hook else ()))
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:
@@ -181,7 +182,7 @@ def train(args):
               f"{global_batch} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
               f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
-    step, start = position["step"], time.perf_counter()
+    step, first_step, start = position["step"], position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
@@ -216,6 +217,7 @@ def train(args):
         checkpoints.epoch_done(epoch, step)
     checkpoints.close()
     if master and metrics["epochs"]:
+        sent.record(metrics, step - first_step)
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
     return net

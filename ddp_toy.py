@@ -58,6 +58,7 @@ def train(args):
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = DDP(ToyMLP().to(device))   # DDP: averages the gradients across ranks during backward
+    sent = common.SentBytes.of_ddp(model, world_size)   # DDP: its allreduce of each bucket, counted
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
                                  world_size, len(y_test))
@@ -85,6 +86,7 @@ def train(args):
         if step == args.max_steps:
             break
     if master:
+        sent.record(metrics, step)
         common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
     return model.module

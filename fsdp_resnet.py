@@ -114,11 +114,24 @@ def bytes_held(model, optimizer):
             "optimizer_state": size(state)}
 
 # ---------------------------------------------------------------- the model, sharded
-def shard(net, device, world_size, amp):
+def device_mesh(device, world_size, processes_here, hsdp):
+    """FSDP: the ranks that share a model's shards. Flat: all of them, each holding 1/W. HSDP
+    (--hsdp): the processes of one node (torchrun's local world, L of them) hold 1/L each, and the
+    nodes are replicas of each other: the all-gathers and reduce-scatters stay inside a node, and
+    only an all-reduce of each rank's reduce-scattered gradient (1/L of it) crosses the nodes."""
+    if not hsdp:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if world_size % processes_here:
+        raise SystemExit(f"error: --hsdp needs the same number of processes on every node ({world_size} ranks, "
+                         f"{processes_here} on this node)")
+    return init_device_mesh(device.type, (world_size // processes_here, processes_here),   # rows: nodes (torchrun
+                            mesh_dim_names=("replicate", "shard"))                       # numbers a node's ranks in a row)
+
+def shard(net, mesh, amp):
     """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
     are gathered just before it runs and freed after, so at most one stage is ever whole. A model
-    without ResNet's four stages (another --arch) is sharded by its top-level blocks."""
-    mesh = init_device_mesh(device.type, (world_size,))
+    without ResNet's four stages (another --arch) is sharded by its top-level blocks. A 2-D mesh
+    (replicate, shard) makes it HSDP."""
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp
                  else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
     if amp:   # BatchNorm stays fp32 (its running statistics are; CPU kernels refuse a mix), bf16 out
@@ -155,7 +168,9 @@ def train(args):
     rank_batch = global_batch // world_size
 
     net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
-    model = shard(net, device, world_size, args.amp)
+    mesh = device_mesh(device, world_size, processes_here, args.hsdp)
+    model = shard(net, mesh, args.amp)
+    sent = common.SentBytes.of_fsdp(model, mesh)   # what the shards' collectives are handed, counted
     lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
     optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
     steps_per_epoch = len(data.train)
@@ -179,10 +194,11 @@ def train(args):
     checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master)
     if master:
         print(f"fsdp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
-              f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {world_size} ways, lr {lr:g} "
+              f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
+              f"{f' in each of {mesh.size(0)} replicas (HSDP)' if args.hsdp else ''}, lr {lr:g} "
               f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
-    step, start = position["step"], time.perf_counter()
+    step, first_step, start = position["step"], position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
@@ -212,7 +228,8 @@ def train(args):
         dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
         common.broadcast_buffers(model)   # FSDP: BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
-        test_acc = data.evaluate(model)   # FSDP: every rank the same number of forwards (each gathers weights)
+        with sent.paused():   # FSDP: every rank the same number of forwards (each gathers weights)
+            test_acc = data.evaluate(model)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if last < batches:
             break
@@ -225,8 +242,9 @@ def train(args):
         metrics["bytes_per_rank"] = held
         mb = lambda key: f"{held[0][key] / 1e6:.1f}"
         print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
-              f"optimizer state (of {sum(h['params'] for h in held) / 1e6:.1f} MB each, all of which "
+              f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which "
               f"DDP keeps on every rank)", flush=True)
+        sent.record(metrics, step - first_step)
         common.finish(metrics, step, time.perf_counter() - start, state)
     dist.destroy_process_group()   # FSDP: leave cleanly
     return state
@@ -235,6 +253,8 @@ def train(args):
 def parse_args(argv=None):
     p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
                            resnet=True, distributed=True, recipe=True)
+    p.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's --nproc_per_node), "
+                                                       "replicate across nodes: only an all-reduce crosses them")
     p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
                                         "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint)")

@@ -5,8 +5,10 @@ import pytest
 import common
 import local_slurm
 import simulated_cluster
-from conftest import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, SMALL, TOY, assert_ok, assert_same_weights,
-                      load_model, read, run, running, wait_for)
+from conftest import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
+                      assert_same_weights, load_model, read, run, running, wait_for)
+
+RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- the simulated cluster
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
@@ -39,6 +41,35 @@ def test_scratch_hierarchical_on_two_simulated_nodes_trains_like_one_device(scra
     assert json.load(open(tmp_path / "metrics.json"))["layout"] == "2 processes x 2 replicas"
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in namespaces for name in cluster.names + [cluster.switch])   # all deleted
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
+def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all_reduce_across(tmp_path):
+    """fsdp_resnet.py --hsdp on 2 nodes x 2 processes: shards within a node, replicas across;
+    the weights of flat FSDP on the same 4 processes. Counted: the all-gathers and reduce-scatters
+    stay in the node's shard group; across the nodes goes one all-reduce of each rank's half of
+    the gradients."""
+    flags = RESNET + ["--batch-size", "16"]
+    flat = run(["torchrun", "--standalone", "--nproc_per_node=4", "fsdp_resnet.py", "--out", str(tmp_path / "flat")] +
+               flags, env=ONE_THREAD)
+    assert_ok(flat)
+    port = common.free_port()
+    with simulated_cluster.SimulatedCluster(2, rate_mbit=1000) as cluster:
+        jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                                  f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
+                                  "fsdp_resnet.py", "--hsdp", "--out", str(tmp_path / "hsdp")] + flags,
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**cluster.env(), **ONE_THREAD})
+                for i in range(2)]
+        outputs = [job.communicate(timeout=300) for job in jobs]
+        for job, (_, err) in zip(jobs, outputs):
+            assert job.returncode == 0, err[-3000:]
+    assert "parameters sharded 2 ways in each of 2 replicas (HSDP)" in outputs[0][0] + outputs[1][0]
+    assert_same_weights(load_model(tmp_path / "hsdp"), load_model(tmp_path / "flat"))
+    sent = json.load(open(tmp_path / "hsdp" / "metrics.json"))["sent_bytes_by_collective"]
+    assert set(sent) == {"all_gather (shard group of 2)", "reduce_scatter (shard group of 2)",
+                         "all_reduce (replicate group of 2)"}
+    assert sent["all_reduce (replicate group of 2)"] == RESNET_BYTES / 2   # this rank's shard of every gradient
 
 
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))

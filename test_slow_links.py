@@ -32,7 +32,7 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
     # every step: the pseudo-gradient (every parameter, fp32) and rank 0's BatchNorm statistics
     assert metrics(tmp_path)["sent_bytes_by_collective"] == {f"all_reduce ({nproc} ranks)": RESNET_BYTES,
                                                              f"broadcast ({nproc} ranks)": BUFFER_BYTES}
-    assert f"{(RESNET_BYTES + BUFFER_BYTES) / 1e6:.3g} MB sent per step and rank" in result.stdout
+    assert f"{(RESNET_BYTES + BUFFER_BYTES) / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 
 
 def test_diloco_resumes_inside_a_round(tmp_path):
