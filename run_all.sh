@@ -57,6 +57,7 @@ smoke ddp_toy "$PY" ddp_toy.py $small
 smoke ddp_toy_torchrun "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_toy.py $small
 smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet
 smoke fsdp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_resnet.py $small $resnet
+smoke diloco_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 diloco_resnet.py $small $resnet --local-steps 2
 smoke dp_resnet "$PY" dp_resnet.py $small $resnet
 "$PY" common.py --data-dir data --write-images runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
 smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet \
@@ -64,9 +65,9 @@ smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys
 rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]
-print(f"\n{'approach':26} {'devices':12} {'backend':24} {'samples/s':>10} {'test acc':>9} {'seconds':>8}")
+print(f"\n{'approach':26} {'devices':12} {'backend':24} {'samples/s':>10} {'test acc':>9} {'seconds':>8} {'MB/step':>8}")
 for run, m in zip(sys.argv[1:], rows):
     devices = f"{len(m['devices'])} x {m['devices'][0]}"
     print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:24} {m['samples_per_s']:10,.0f} "
-          f"{m['test_acc']:9.4f} {m['seconds']:8.1f}")
+          f"{m['test_acc']:9.4f} {m['seconds']:8.1f} {m.get('sent_bytes_per_step', 0) / 1e6:8.2f}")
 PYTHON

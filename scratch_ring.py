@@ -36,7 +36,10 @@ def owned_chunk(rank, world_size):
     """The chunk whose full sum the reduce-scatter leaves on process `rank`."""
     return (rank + 1) % world_size
 
+SENT = common.SentBytes()   # the bytes this process hands to send(), per step in metrics.json and the closing line
+
 def _exchange(send_chunk, recv_buffer, rank, world_size):
+    SENT.add("send", "to the next process", send_chunk)
     # Both directions at once, so no process waits on another. The receive is posted first:
     # gloo starts a send only once the peer has posted its receive, and with the sends first both
     # directions took turns (twice the time of one message on a simulated 100 Mbit/s link).
@@ -212,6 +215,7 @@ def train(args, devices, rank, world_size):
                   f"allreduce does", flush=True)
     total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
+    SENT.counts.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
@@ -230,13 +234,15 @@ def train(args, devices, rank, world_size):
                 break
         seconds = timer()
         if world_size > 1:
-            ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
+            with SENT.paused():   # not a training step's
+                ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
         test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0],
                                    rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if step == args.max_steps:
             break
     if master:
+        SENT.record(metrics, step)
         common.finish(metrics, step, time.perf_counter() - start,
                       {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas

@@ -215,6 +215,9 @@ def test_scratch_under_torchrun_matches_one_process(nproc, scratch_one_replica, 
     assert_same_weights(load_model(tmp_path), scratch_one_replica)
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert metrics["world_size"] == nproc and metrics["backend"] == "gloo send/recv"
+    # each process sends 2(W-1) chunks of 1/W of the gradients per step (chunks differ by <= 1 float)
+    ring = 2 * (nproc - 1) / nproc * 4 * LENET_PARAMS
+    assert abs(metrics["sent_bytes_per_step"] - ring) <= 4 * 2 * (nproc - 1)
 
 
 @pytest.mark.parametrize("nproc, devices, flag", [(2, 2, None), (2, 1, "--overlap"), (3, 1, "--overlap"),
@@ -344,6 +347,9 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, tmp_path):
                  ["--out", str(tmp_path)], env=ONE_THREAD)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), resnet_reference(nproc))
+    sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_by_collective"]
+    assert sent == {f"all_reduce ({nproc} ranks)": RESNET_BYTES}   # every gradient, once per step
+    assert f"{RESNET_BYTES / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):
@@ -473,6 +479,11 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
         assert sum(h[kind] for h in held) == RESNET_BYTES   # the shards are the model, once
         assert max(h[kind] for h in held) <= RESNET_BYTES / nproc * 1.01   # each about 1/W of it
     assert f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters" in fsdp.stdout
+    # gradients: all of them go into the reduce-scatter (padded to split W ways); parameters: each
+    # rank's shard into an all-gather before forward, and again before backward for all but the root
+    sent = metrics["sent_bytes_by_collective"]
+    assert RESNET_BYTES <= sent[f"reduce_scatter ({nproc} ranks)"] <= RESNET_BYTES * 1.001
+    assert RESNET_BYTES / nproc < sent[f"all_gather ({nproc} ranks)"] <= 2 * RESNET_BYTES / nproc * 1.001
 
 
 def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):

@@ -36,21 +36,23 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
 
 
 def test_diloco_resumes_inside_a_round(tmp_path):
-    """Rounds of 3 steps, outer Nesterov momentum: stopped at step 4 (a round under way, the
-    replicas apart), resumed to step 12, it ends with the uninterrupted run's weights. The
-    stopped run's model.pt is the shared weights of step 3, and it says so."""
-    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "3"] + PREEMPTIBLE
+    """Rounds of 4 steps over epochs of 6 (the round from step 5 to 8 spans an epoch's end, where
+    the shared weights of step 4 are evaluated), outer Nesterov momentum: stopped at step 5 (a
+    round under way, the replicas apart), resumed to step 12, it ends with the uninterrupted
+    run's weights and accuracies. The stopped run's model.pt is the shared weights of step 4, and
+    it says so."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "4"] + PREEMPTIBLE
     whole = run(torchrun + ["--out", str(tmp_path / "whole")], env=ONE_THREAD)
-    stopped = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    stopped = run(torchrun + ["--max-steps", "5", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
     assert_ok(whole)
     assert_ok(stopped)
-    assert "model.pt holds the shared weights of the last sync (step 3)" in stopped.stdout
+    assert "model.pt holds the shared weights of the last sync (step 4)" in stopped.stdout
     resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
     assert_ok(resumed)
-    assert "resumed from" in resumed.stdout and "batch 4/6, step 4" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "batch 5/6, step 5" in resumed.stdout
     assert_same_weights(load_model(tmp_path / "parts"), load_model(tmp_path / "whole"), tol=1e-6)
     for parts, whole in zip(metrics(tmp_path / "parts")["epochs"], metrics(tmp_path / "whole")["epochs"]):
         assert parts["test_acc"] == whole["test_acc"]
         assert parts["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-6)
-    # 12 steps, 4 syncs: a third of the pseudo-gradient per step
-    assert metrics(tmp_path / "whole")["sent_bytes_by_collective"]["all_reduce (2 ranks)"] == RESNET_BYTES / 3
+    # 12 steps, 3 syncs: a quarter of the pseudo-gradient per step
+    assert metrics(tmp_path / "whole")["sent_bytes_by_collective"]["all_reduce (2 ranks)"] == RESNET_BYTES / 4

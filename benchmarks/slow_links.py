@@ -1,0 +1,98 @@
+"""Training over slow links, timed on the simulated cluster: what DDP, its compression hooks, DiLoCo,
+FSDP and HSDP cost per step when the network between the machines is slow. Needs root.
+
+    python benchmarks/slow_links.py                        # 100 Mbit/s: about 15 minutes on 2 cores
+    python benchmarks/slow_links.py --rates 10 100 1000    # each rate about as long again
+
+Every variant runs the real script under torchrun, one torchrun per simulated node (2 nodes x 1
+process; FSDP and HSDP 2 x 2), ResNet-18 on Fashion-MNIST, global batch 64, one thread per
+process. A step's time is the difference of two runs' training seconds (metrics.json: the loop
+alone, no start-up, no evaluation), K1 and K2 steps, over K2 - K1: DDP's first step (its buckets
+rebuilt) and PowerSGD's plain steps fall in the first K1. Bytes: what each rank handed to
+collectives per step (metrics.json's sent_bytes_per_step, the same difference), and what node 0's
+link carried per step (its eth0 tx_bytes, the same difference), beside that link's bytes / rate: the step's
+time on the wire if nothing overlapped.
+Writes runs/slow_links/results.json.
+"""
+import argparse, json, os, subprocess, sys, tempfile
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common, simulated_cluster
+
+OUT = os.path.join(ROOT, "runs", "slow_links")
+BASE = ["--batch-size", "64", "--train-samples", "4096", "--test-samples", "100", "--epochs", "1", "--workers", "0"]
+VARIANTS = [   # label, script, flags, processes per node, (K1, K2)
+    ("DDP", "ddp_resnet.py", [], 1, (2, 6)),
+    ("DDP + bf16", "ddp_resnet.py", ["--comm-hook", "bf16"], 1, (2, 6)),
+    ("DDP + PowerSGD rank 4", "ddp_resnet.py", ["--comm-hook", "powersgd", "--powersgd-start", "2"], 1, (2, 8)),
+    ("DDP + PowerSGD rank 1", "ddp_resnet.py", ["--comm-hook", "powersgd", "--powersgd-start", "2",
+                                                "--powersgd-rank", "1"], 1, (2, 8)),
+    ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"], 1, (2, 12)),
+    ("DiLoCo H = 50", "diloco_resnet.py", ["--local-steps", "50"], 1, (2, 52)),
+    ("FSDP, 2 nodes x 2", "fsdp_resnet.py", [], 2, (2, 5)),
+    ("HSDP, 2 nodes x 2", "fsdp_resnet.py", ["--hsdp"], 2, (2, 5)),
+]
+
+
+def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps):
+    """One run on a fresh 2-node cluster: (training seconds, steps, sent bytes per step, node 0's tx bytes)."""
+    with tempfile.TemporaryDirectory() as out, simulated_cluster.SimulatedCluster(2, rate_mbit) as cluster:
+        port = common.free_port()
+        env = cluster.env(OMP_NUM_THREADS="1")
+        jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                                  f"--nproc_per_node={procs_per_node}", f"--node-rank={i}",
+                                  f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
+                                  os.path.join(ROOT, script)] + BASE + flags +
+                              ["--max-steps", str(steps), "--out", out, "--data-dir", os.path.join(ROOT, "data")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                for i in range(2)]
+        outputs = [job.communicate(timeout=3600) for job in jobs]
+        if any(job.returncode for job in jobs):
+            sys.exit(f"{script} {' '.join(flags)} failed:\n" + "\n".join(err[-2000:] for _, err in outputs))
+        tx = int(cluster.run(0, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout)
+        m = json.load(open(os.path.join(out, "metrics.json")))
+    return {"seconds": sum(e["seconds"] for e in m["epochs"]), "steps": m["steps"],
+            "sent_per_step": m["sent_bytes_per_step"], "sent_by": m["sent_bytes_by_collective"], "tx": tx}
+
+
+def measure(script, flags, procs_per_node, rate_mbit, k1, k2):
+    a, b = (run_on_cluster(script, flags, procs_per_node, rate_mbit, k) for k in (k1, k2))
+    between = lambda key: (b[key] - a[key]) / (k2 - k1)   # the steps from K1 to K2
+    return {"step_s": between("seconds"), "link_bytes_per_step": between("tx"),
+            "sent_bytes_per_step": (b["sent_per_step"] * k2 - a["sent_per_step"] * k1) / (k2 - k1),
+            "sent_by_run": [a["sent_by"], b["sent_by"]], "steps": (k1, k2)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", type=int, nargs="+", default=[100], help="link rates, Mbit/s")
+    p.add_argument("--only", nargs="+", help="variants whose label starts with one of these")
+    args = p.parse_args(argv)
+    problem = simulated_cluster.unavailable()
+    if problem:
+        sys.exit(f"{problem}; this benchmark needs it")
+    common.prepare_fashion_mnist(os.path.join(ROOT, "data"))
+    os.makedirs(OUT, exist_ok=True)
+    variants = [v for v in VARIANTS if not args.only or v[0].startswith(tuple(args.only))]
+    results = {}
+    print(f"slow links on {os.cpu_count()} cores: ResNet-18, global batch 64, 2 simulated nodes; a step's time = "
+          f"the difference of two runs' training seconds over their difference in steps", flush=True)
+    for rate in args.rates:
+        print(f"\n{rate} Mbit/s per node link{'':27}s/step   MB sent/step (rank)   MB over node 0's link/step   "
+              f"link MB/rate (s)", flush=True)
+        for label, script, flags, procs, (k1, k2) in variants:
+            r = results.setdefault(label, {})[rate] = measure(script, flags, procs, rate, k1, k2)
+            wire_s = r["link_bytes_per_step"] * 8 / (rate * 1e6)
+            print(f"  {label:50}{r['step_s']:7.2f}{r['sent_bytes_per_step'] / 1e6:15.2f}"
+                  f"{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}", flush=True)
+        ddp = results["DDP"][rate] if "DDP" in results else None
+        if ddp:
+            print("  against DDP: " + ", ".join(f"{label} {results[label][rate]['step_s'] / ddp['step_s']:.2f}x time, "
+                                                f"{results[label][rate]['sent_bytes_per_step'] / ddp['sent_bytes_per_step']:.3f}x bytes"
+                                                for label, *_ in variants if label != "DDP"), flush=True)
+        json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
+    print(f"\nwrote {os.path.relpath(OUT, ROOT)}/results.json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
