@@ -80,10 +80,19 @@ def evaluate_shared(data, net, outer):
     return accuracy
 
 # ---------------------------------------------------------------- checkpoints: the shared weights and every replica
+def on_cpu(state):
+    """The tensors in nested dicts and lists, copied to the CPU: a GPU tensor sent to rank 0
+    would be unpickled there onto the GPU of the sender's number."""
+    if torch.is_tensor(state):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    return type(state)(on_cpu(v) for v in state) if isinstance(state, (list, tuple)) else state
+
 def save_checkpoint(path, arch, net, optimizer, scheduler, outer, position, history, device, rank, world_size):
     """Rank 0 writes one file: the position, the shared weights and outer momentum, and each
     rank's replica, inner optimizer and random state, gathered (inside a round they differ)."""
-    replica = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)}
+    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)})
     replicas = [None] * world_size if rank == 0 else None
     dist.gather_object(replica, replicas, dst=0)   # DiLoCo: every rank's replica to rank 0
     if rank == 0:

@@ -41,6 +41,7 @@ def train(args):
     model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
     optimizer = torch.optim.SGD(common.param_groups(net, 5e-4), lr=args.lr, momentum=0.9)   # as ddp_resnet.py
     metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
+    sent = common.SentBytes()   # what DataParallel moves between GPUs per step; with one device, nothing
     print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}", flush=True)
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -55,6 +56,9 @@ def train(args):
                                         y_train[idx], args.amp)
             totals[:2] += torch.stack([loss_sum, hits.float()])
             totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
+            if len(gpus) > 1:   # DP: the forward broadcast the weights from the first GPU; backward summed the gradients there
+                sent.add("broadcast", f"{len(gpus)} GPUs", *net.parameters(), *net.buffers())
+                sent.add("reduce_add", f"{len(gpus)} GPUs", *net.parameters())
             step += 1
             progress(batch_in_epoch)
             if step == args.max_steps:
@@ -65,6 +69,7 @@ def train(args):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
+    sent.record(metrics, step)
     common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     return net
 

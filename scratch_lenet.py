@@ -81,6 +81,8 @@ def replica_step(X, y, W, forward):
 # for the whole run, so each keeps its OpenMP team.
 REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
 
+SENT = common.SentBytes()   # what each replica hands to the allreduce per step (metrics.json, the closing line)
+
 def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet):
     """One step on the global batch; returns the summed loss and hits."""
     X_shards, y_shards = split_batch(X, y, devices)
@@ -88,6 +90,8 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=l
     with torch.no_grad():
         for i in range(len(replicas[0])):   # every parameter's gradient, summed over the replicas
             allreduce([W[i].grad for W in replicas])
+            if len(replicas) > 1:
+                SENT.add("allreduce in memory", f"{len(replicas)} replicas", replicas[0][i].grad)
         for W, V in zip(replicas, velocities):
             sgd(W, V, lr, global_batch)
     return sum(l.to(devices[0]) for l in losses), sum(h.to(devices[0]) for h in hits)
@@ -111,6 +115,7 @@ def train(args, devices):
           f"global batch {args.batch_size}", flush=True)
     total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
+    SENT.counts.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
@@ -131,6 +136,7 @@ def train(args, devices):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
+    SENT.record(metrics, step)
     common.finish(metrics, step, time.perf_counter() - start,
                   {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas

@@ -129,6 +129,7 @@ def test_scratch_replicas_end_with_one_device_weights(replicas, scratch_one_repl
     assert_same_weights(load_model(out), scratch_one_replica)
     for W in final[1:]:   # the replicas never drift apart
         assert all(torch.equal(a, b) for a, b in zip(W, final[0]))
+    assert json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"] == 4 * LENET_PARAMS   # its gradient, each step
 
 
 def test_compiled_forward_trains_like_eager(scratch_one_replica, tmp_path):
@@ -360,6 +361,7 @@ def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):
                                                        "--out", str(tmp_path)], env=ONE_THREAD)
     assert_ok(result)
     assert "DataParallel runs the model on the CPU" in result.stdout
+    assert json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"] == 0   # one device: nothing moves
     assert_same_weights(load_model(tmp_path), resnet_reference(1, steps=1), tol=1e-6)
 
 
@@ -479,11 +481,12 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
         assert sum(h[kind] for h in held) == RESNET_BYTES   # the shards are the model, once
         assert max(h[kind] for h in held) <= RESNET_BYTES / nproc * 1.01   # each about 1/W of it
     assert f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters" in fsdp.stdout
-    # gradients: all of them go into the reduce-scatter (padded to split W ways); parameters: each
-    # rank's shard into an all-gather before forward, and again before backward for all but the root
+    # gradients: all of them go into the reduce-scatter (each padded to rows divisible by W: +0.4%
+    # at 3 ranks); parameters: each rank's shard into an all-gather before forward, and again
+    # before backward for all but the root
     sent = metrics["sent_bytes_by_collective"]
-    assert RESNET_BYTES <= sent[f"reduce_scatter ({nproc} ranks)"] <= RESNET_BYTES * 1.001
-    assert RESNET_BYTES / nproc < sent[f"all_gather ({nproc} ranks)"] <= 2 * RESNET_BYTES / nproc * 1.001
+    assert RESNET_BYTES <= sent[f"reduce_scatter ({nproc} ranks)"] <= RESNET_BYTES * 1.01
+    assert RESNET_BYTES / nproc < sent[f"all_gather ({nproc} ranks)"] <= 2 * RESNET_BYTES / nproc * 1.01
 
 
 def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):

@@ -69,7 +69,8 @@ def fsdp_load(checkpoint, out):
     write the whole model it then holds."""
     rank, world_size = join(60)
     device = torch.device("cpu")
-    model = fsdp_resnet.shard(common.fashion_resnet18(1), device, world_size, amp=False)   # other weights
+    mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
+    model = fsdp_resnet.shard(common.fashion_resnet18(1), mesh, amp=False)   # other weights
     optimizer = torch.optim.SGD(common.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
     scheduler = common.lr_schedule(optimizer, 0, 10, "cosine")
     fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, scheduler, device, rank, world_size)

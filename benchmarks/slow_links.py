@@ -12,6 +12,11 @@ rebuilt) and PowerSGD's plain steps fall in the first K1. Bytes: what each rank 
 collectives per step (metrics.json's sent_bytes_per_step, the same difference), and what node 0's
 link carried per step (its eth0 tx_bytes, the same difference), beside that link's bytes / rate: the step's
 time on the wire if nothing overlapped.
+
+Then accuracy at an equal number of samples (`--accuracy-rate`, default 100 Mbit/s): DDP, DDP +
+PowerSGD rank 4 (its default 10 plain steps first) and DiLoCo H = 10 each train 6 epochs of 1,024
+Fashion-MNIST images (96 steps of 64, 6,144 samples), tested on 1,000 after every epoch; printed
+side by side, and drawn against the training seconds in benchmarks/slow_links_accuracy.png.
 Writes runs/slow_links/results.json.
 """
 import argparse, json, os, subprocess, sys, tempfile
@@ -34,16 +39,23 @@ VARIANTS = [   # label, script, flags, processes per node, (K1, K2)
 ]
 
 
-def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps):
-    """One run on a fresh 2-node cluster: (training seconds, steps, sent bytes per step, node 0's tx bytes)."""
+ACCURACY = [("DDP", "ddp_resnet.py", []), ("DDP + PowerSGD rank 4", "ddp_resnet.py", ["--comm-hook", "powersgd"]),
+            ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"])]
+ACCURACY_FLAGS = ["--batch-size", "64", "--train-samples", "1024", "--test-samples", "1000", "--epochs", "6",
+                  "--workers", "0"]
+
+
+def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps=None, base=BASE):
+    """One run on a fresh 2-node cluster: training seconds, steps, sent bytes per step, node 0's
+    tx bytes, and the epochs' records."""
     with tempfile.TemporaryDirectory() as out, simulated_cluster.SimulatedCluster(2, rate_mbit) as cluster:
         port = common.free_port()
         env = cluster.env(OMP_NUM_THREADS="1")
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                   f"--nproc_per_node={procs_per_node}", f"--node-rank={i}",
                                   f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
-                                  os.path.join(ROOT, script)] + BASE + flags +
-                              ["--max-steps", str(steps), "--out", out, "--data-dir", os.path.join(ROOT, "data")],
+                                  os.path.join(ROOT, script)] + base + flags + (["--max-steps", str(steps)] if steps else []) +
+                              ["--out", out, "--data-dir", os.path.join(ROOT, "data")],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                 for i in range(2)]
         outputs = [job.communicate(timeout=3600) for job in jobs]
@@ -52,7 +64,8 @@ def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps):
         tx = int(cluster.run(0, ["cat", "/sys/class/net/eth0/statistics/tx_bytes"]).stdout)
         m = json.load(open(os.path.join(out, "metrics.json")))
     return {"seconds": sum(e["seconds"] for e in m["epochs"]), "steps": m["steps"],
-            "sent_per_step": m["sent_bytes_per_step"], "sent_by": m["sent_bytes_by_collective"], "tx": tx}
+            "sent_per_step": m["sent_bytes_per_step"], "sent_by": m["sent_bytes_by_collective"], "tx": tx,
+            "epochs": m["epochs"]}
 
 
 def measure(script, flags, procs_per_node, rate_mbit, k1, k2):
@@ -67,6 +80,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=int, nargs="+", default=[100], help="link rates, Mbit/s")
     p.add_argument("--only", nargs="+", help="variants whose label starts with one of these")
+    p.add_argument("--accuracy-rate", type=int, default=100, help="Mbit/s of the accuracy runs (0: none)")
     args = p.parse_args(argv)
     problem = simulated_cluster.unavailable()
     if problem:
@@ -81,6 +95,8 @@ def main(argv=None):
         print(f"\n{rate} Mbit/s per node link{'':27}s/step   MB sent/step (rank)   MB over node 0's link/step   "
               f"link MB/rate (s)", flush=True)
         for label, script, flags, procs, (k1, k2) in variants:
+            if rate <= 10 and "PowerSGD" not in label and "DiLoCo" not in label:
+                k1, k2 = 1, 3   # a minute a step or more: the difference of 2 steps
             r = results.setdefault(label, {})[rate] = measure(script, flags, procs, rate, k1, k2)
             wire_s = r["link_bytes_per_step"] * 8 / (rate * 1e6)
             print(f"  {label:50}{r['step_s']:7.2f}{r['sent_bytes_per_step'] / 1e6:15.2f}"
@@ -91,7 +107,36 @@ def main(argv=None):
                                                 f"{results[label][rate]['sent_bytes_per_step'] / ddp['sent_bytes_per_step']:.3f}x bytes"
                                                 for label, *_ in variants if label != "DDP"), flush=True)
         json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
+    if args.accuracy_rate:
+        accuracy(results, args.accuracy_rate)
+        json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
     print(f"\nwrote {os.path.relpath(OUT, ROOT)}/results.json", flush=True)
+
+
+def accuracy(results, rate):
+    """Test accuracy after each epoch, against the training seconds so far, at an equal number of samples."""
+    print(f"\naccuracy at {rate} Mbit/s: {' '.join(ACCURACY_FLAGS)} (96 steps), test accuracy after each epoch "
+          f"(training seconds so far)", flush=True)
+    curves = results.setdefault("accuracy", {})
+    for label, script, flags in ACCURACY:
+        r = run_on_cluster(script, flags, 1, rate, base=ACCURACY_FLAGS)
+        seconds = [sum(e["seconds"] for e in r["epochs"][:i + 1]) for i in range(len(r["epochs"]))]
+        curves[label] = {"seconds": seconds, "test_acc": [e["test_acc"] for e in r["epochs"]],
+                         "samples": sum(e["samples"] for e in r["epochs"]), "link_bytes": r["tx"]}
+        print(f"  {label:24}" + "  ".join(f"{e['test_acc']:.3f} ({s:.0f} s)" for e, s in zip(r["epochs"], seconds)) +
+              f"   {r['tx'] / 1e9:.2f} GB over node 0's link", flush=True)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, c in curves.items():
+        ax.plot(c["seconds"], c["test_acc"], "o-", label=label)
+    ax.set(xlabel="training seconds (2 simulated nodes, 2 CPU cores)", ylabel="test accuracy",
+           title=f"ResNet-18, Fashion-MNIST, {rate} Mbit/s links, 96 steps of 64")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, "benchmarks", "slow_links_accuracy.png"), dpi=100)
 
 
 if __name__ == "__main__":
