@@ -172,9 +172,10 @@ def train(args):
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
                     bucket_cap_mb=1e6 if one_bucket else None)
-    # DDP: before the first backward: compress what is sent (--comm-hook), and count it
-    sent = common.SentBytes.of_ddp(ddp_model, world_size, *(comm_hook(args, state is not None, master)   # DDP: hook
-                                                            if args.comm_hook else ()))
+    # DDP: the hook that sends each bucket, set before the first backward: PyTorch's plain allreduce,
+    # or --comm-hook's compression; what it hands to the allreduce is counted
+    hook = comm_hook(args, state is not None, master) if args.comm_hook else ()
+    sent = common.SentBytes.of_ddp(ddp_model, world_size, *hook)   # DDP: registers the hook
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:

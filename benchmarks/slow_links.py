@@ -92,14 +92,14 @@ def main(argv=None):
     print(f"slow links on {os.cpu_count()} cores: ResNet-18, global batch 64, 2 simulated nodes; a step's time = "
           f"the difference of two runs' training seconds over their difference in steps", flush=True)
     for rate in args.rates:
-        print(f"\n{rate} Mbit/s per node link{'':27}s/step   MB sent/step (rank)   MB over node 0's link/step   "
+        print(f"\n{rate} Mbit/s per node link{'':27}s/step   MB handed/step (rank)   MB over node 0's link/step   "
               f"link MB/rate (s)", flush=True)
         for label, script, flags, procs, (k1, k2) in variants:
             if rate <= 10 and "PowerSGD" not in label and "DiLoCo" not in label:
                 k1, k2 = 1, 3   # a minute a step or more: the difference of 2 steps
             r = results.setdefault(label, {})[rate] = measure(script, flags, procs, rate, k1, k2)
             wire_s = r["link_bytes_per_step"] * 8 / (rate * 1e6)
-            print(f"  {label:50}{r['step_s']:7.2f}{r['sent_bytes_per_step'] / 1e6:15.2f}"
+            print(f"  {label:50}{r['step_s']:7.2f}{r['sent_bytes_per_step'] / 1e6:17.2f}"
                   f"{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}", flush=True)
         ddp = results["DDP"][rate] if "DDP" in results else None
         if ddp:
