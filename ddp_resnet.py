@@ -183,7 +183,7 @@ def train(args):
               f"{global_batch} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
               f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
-    step, first_step, start = position["step"], position["step"], time.perf_counter()
+    step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
@@ -218,7 +218,7 @@ def train(args):
         checkpoints.epoch_done(epoch, step)
     checkpoints.close()
     if master and metrics["epochs"]:
-        sent.record(metrics, step - first_step)
+        sent.record(metrics, step - position["step"])   # this run's steps
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
     return net

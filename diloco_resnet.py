@@ -186,7 +186,7 @@ def train(args):
               f"{global_batch} = {world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {global_batch}/256), "
               f"{args.schedule} after {args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} "
               f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
-    step, first_step, start = position["step"], position["step"], time.perf_counter()
+    step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
@@ -227,7 +227,7 @@ def train(args):
         if step % args.local_steps and step != last_step:
             print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
                   f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
-        sent.record(metrics, step - first_step)
+        sent.record(metrics, step - position["step"])   # this run's steps
         common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net))
     dist.destroy_process_group()   # DiLoCo: leave cleanly
     return outer.shared_state(net)

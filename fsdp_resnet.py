@@ -201,7 +201,7 @@ def train(args):
               f"{f' in each of {mesh.size(0)} replicas (HSDP)' if args.hsdp else ''}, lr {lr:g} "
               f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
               flush=True)
-    step, first_step, start = position["step"], position["step"], time.perf_counter()
+    step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         if step >= final_step:   # --max-steps reached at the end of the last epoch
             break
@@ -247,7 +247,7 @@ def train(args):
         print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
               f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which "
               f"DDP keeps on every rank)", flush=True)
-        sent.record(metrics, step - first_step)
+        sent.record(metrics, step - position["step"])   # this run's steps
         common.finish(metrics, step, time.perf_counter() - start, state)
     dist.destroy_process_group()   # FSDP: leave cleanly
     return state
