@@ -164,8 +164,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     if "RANK" in os.environ:   # started by torchrun: that is the next lesson's job
+        # One process per machine says so and fails; the others end quietly with 0. (Had they
+        # failed too, torchrun could stop the one that speaks before it has said a word.)
         sys.exit("scratch_lenet.py runs its replicas in one process; under torchrun run scratch_ring.py"
-                 if os.environ["RANK"] == "0" else 2)
+                 if os.environ.get("LOCAL_RANK", "0") == "0" else 0)
     args = parse_args(argv)
     # Float32 convolutions on GPUs too (PyTorch's default there is TF32, 10-bit mantissas): then
     # N replicas match one device up to float rounding, as on the CPU.

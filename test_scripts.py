@@ -196,7 +196,7 @@ def test_scratch_lenet_under_torchrun_points_to_scratch_ring():
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "scratch_lenet.py"])
     assert result.returncode != 0
     said = "scratch_lenet.py runs its replicas in one process; under torchrun run scratch_ring.py"
-    assert result.stderr.count(said) == 1, result.stderr[-3000:]   # rank 0 alone says it
+    assert result.stderr.count(said) == 1, result.stderr[-3000:]   # local rank 0 alone says it
     assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)
 
 
