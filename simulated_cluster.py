@@ -21,7 +21,7 @@ processes of one machine do. `netem` (delay emulation) is not in every kernel; `
 gloo inside a node needs GLOO_SOCKET_IFNAME=eth0: without it gloo resolves the hostname to
 127.0.0.1 and advertises that to its peers (real clusters hit the same). `env()` sets it.
 """
-import argparse, contextlib, os, shutil, signal, subprocess, sys, threading, uuid
+import argparse, contextlib, os, shutil, signal, subprocess, sys, threading, time, uuid
 
 SUBNET = "10.99.0"   # private to this cluster's bridge: two clusters at once never see each other
 
@@ -98,12 +98,21 @@ class SimulatedCluster:
 
     def _delete(self):
         # Every process inside a node, whoever started it (torchrun starts its workers in sessions
-        # of their own, so a process group would miss them): `ip netns pids` lists them.
-        for name in self.names:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in map(int, pids):
+        # of their own, so a process group would miss them): `ip netns pids` lists them. Those
+        # started here are killed by pid as well: one just started may not have entered its node
+        # yet. Listed again until none is left, as a process may start another meanwhile.
+        for p in self.processes:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+        for _ in range(100):
+            pids = [int(pid) for name in self.names for pid in
+                    subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+            if not pids:
+                break
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         for p in self.processes:
             p.wait()
         for name in self.names + [self.switch]:   # deleting a node also removes its cable
