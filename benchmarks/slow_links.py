@@ -2,8 +2,8 @@
 FSDP and HSDP cost per step when the network between the machines is slow. Needs root.
 
     python benchmarks/slow_links.py                        # 100 Mbit/s and the accuracy runs: ~40 min, 2 cores
-    python benchmarks/slow_links.py --rates 10 1000 --accuracy-rate 0   # 10 Mbit/s ~30 min (its DiLoCo
-                                                           # H = 50 and flat FSDP ~15 more), 1000 Mbit/s ~18
+    python benchmarks/slow_links.py --rates 10 1000 --accuracy-rate 0   # 10 Mbit/s ~55 min (its flat
+                                                           # FSDP alone ~20), 1000 Mbit/s ~18
 
 Every variant runs the real script under torchrun, one torchrun per simulated node (2 nodes x 1
 process; FSDP and HSDP 2 x 2), ResNet-18 on Fashion-MNIST, global batch 64, one thread per
