@@ -25,8 +25,9 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # torchrun's setting with 2+ workers; se
 RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16", "--max-steps", "2",
           "--data-dir", DATA]
 TOY = ["--epochs", "3", "--train-samples", "600", "--test-samples", "301", "--batch-size", "48"]
-PREEMPTIBLE = ["--epochs", "2", "--train-samples", "96", "--batch-size", "16", "--test-samples", "50",
-               "--data-dir", DATA, "--checkpoint-every", "2"]   # 6 steps an epoch
+TWO_EPOCHS = ["--epochs", "2", "--train-samples", "96", "--batch-size", "16", "--test-samples", "50",
+              "--data-dir", DATA]   # 6 steps an epoch
+PREEMPTIBLE = TWO_EPOCHS + ["--checkpoint-every", "2"]
 NO_CLUSTER = simulated_cluster.unavailable()   # None here as root with ip, tc and ethtool
 NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (.ci/run installs them)
 

@@ -3,7 +3,7 @@ and what each script hands to collectives per step is counted from the tensors i
 import json
 import pytest
 import common
-from conftest import DATA, ONE_THREAD, PREEMPTIBLE, assert_ok, assert_same_weights, load_model, resnet_reference, run
+from conftest import DATA, ONE_THREAD, TWO_EPOCHS, assert_ok, assert_same_weights, load_model, resnet_reference, run
 
 RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
 BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.fashion_resnet18(0).buffers())
@@ -42,9 +42,7 @@ def test_diloco_resumes_inside_a_round(tmp_path):
     run's weights and accuracies. The stopped run's model.pt is the shared weights of step 4, and
     it says so."""
     # no --checkpoint-every: a DiLoCo checkpoint holds every rank's replica; the stop writes one
-    assert PREEMPTIBLE[-2] == "--checkpoint-every"
-    preemptible = PREEMPTIBLE[:-2]
-    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "4"] + preemptible
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "4"] + TWO_EPOCHS
     whole = run(torchrun + ["--out", str(tmp_path / "whole")], env=ONE_THREAD)
     stopped = run(torchrun + ["--max-steps", "5", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
     assert_ok(whole)
