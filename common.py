@@ -8,7 +8,7 @@ group.WORLD as a default argument when first imported. DDP imports it (through t
 after init_process_group, that default would keep the group and its threads alive past
 destroy_process_group, running while the interpreter shuts down, which is when finished ranks
 were seen to abort at random."""
-import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, time, types
+import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, threading, time, types
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  (before any group exists: see the top)
@@ -76,6 +76,53 @@ def rendezvous_store(timeout_s):
                  f"{os.environ.get('MASTER_PORT')} (world size {world_size}) did not form within "
                  f"{timeout_s:g} s; were all ranks started? ({str(e).splitlines()[0]})")
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+
+# ---------------------------------------------------------------- when a rank fails: one line from every rank
+def tell_the_launcher(line):
+    """torchrun's summary shows the first failed worker's error file as the "Root Cause"; a worker
+    that ends with a one-line error (a SystemExit, which torch's `record` does not write) writes
+    it here, in the JSON form that torch.distributed.elastic documents, with the line as its text."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+
+def broken_group(e):
+    """Whether an error says the process group broke (a peer died, left or timed out) rather
+    than a bug of this rank: c10d's own error types, or gloo's and NCCL's messages."""
+    return dist.is_initialized() and (isinstance(e, dist.DistError) or any(
+        word in str(e) for word in ("gloo", "NCCL", "Connection closed", "Connection reset")))
+
+def where_to_resume(checkpoint):
+    if not checkpoint:
+        return "nothing was saved to resume from"
+    if os.path.exists(checkpoint):
+        return f"run again with --resume to go on from the last checkpoint, {checkpoint}"
+    return f"no checkpoint at {checkpoint} on this node"
+
+@contextlib.contextmanager
+def one_line_per_rank(checkpoint=None):
+    """Every rank of a distributed run ends with one line, never a traceback. A rank's own error
+    (a SystemExit with its line, raised anywhere in the run) is said and handed to torchrun. A
+    rank whose collective fails because another rank failed or left says so, and where the last
+    checkpoint is; it waits a second first, so that the launcher sees the rank that failed
+    first and names it the root cause (its summary orders failures by whole seconds)."""
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            tell_the_launcher(e.code)
+        raise
+    except RuntimeError as e:
+        if not broken_group(e):
+            raise
+        reason = " ".join(str(e).split())
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]   # gloo: "[file:line] Connection closed by peer ..."
+        rank = dist.get_rank()
+        time.sleep(1.0)
+        raise SystemExit(f"rank {rank}: stopping: another rank failed or left ({reason}); "
+                         f"{where_to_resume(checkpoint)}") from None
 
 # ---------------------------------------------------------------- Fashion-MNIST in memory
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -618,20 +665,47 @@ class StopRequest:
     The decision costs no waiting. At each boundary a rank reads the allreduce (MAX) of the flags
     that it started at the previous boundary, long finished since, and starts the next one, on a
     gloo group of its own over CPU tensors (no GPU sync, never queued behind the gradients). All
-    ranks read the same answer after the same step, one step after a signal is first noted."""
-    def __init__(self):
-        self.signal, self.pending = 0, None
+    ranks read the same answer after the same step, one step after a signal is first noted.
+
+    A SIGTERM can also mean that the launcher is ending the job because another rank failed
+    (torchrun does so). A rank blocked in a collective with the failed one never returns to
+    Python, where the handler runs (NCCL waits out its timeout): a thread that the signal wakes
+    at once ends the rank with its line when the ranks have not agreed to stop within a grace of
+    10 s plus three of the longest steps so far."""
+    def __init__(self, checkpoint=None):
+        self.signal, self.pending, self.answer, self.watching = 0, None, None, True
+        self.longest_step, self.boundary = 0.0, time.monotonic()
         self.group = dist.new_group(backend="gloo")
         for name in ("SIGTERM", "SIGUSR1"):
             if hasattr(signal, name):   # Windows has no SIGUSR1
                 signal.signal(getattr(signal, name), self._note)
+        if hasattr(signal, "SIGTERM") and os.name == "posix":
+            wake_read, wake_write = os.pipe()   # the C-level handler writes the signal's number here
+            os.set_blocking(wake_write, False)
+            signal.set_wakeup_fd(wake_write)
+            threading.Thread(target=self._watch, args=(wake_read, checkpoint), daemon=True).start()
 
     def _note(self, signum, frame):
         self.signal = signum
 
+    def _watch(self, wake_read, checkpoint):
+        while os.read(wake_read, 1)[0] != signal.SIGTERM:
+            pass
+        grace = 10.0 + 3 * self.longest_step
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self.answer or not self.watching:
+                return
+            time.sleep(0.1)
+        print(f"rank {dist.get_rank()}: stopping: SIGTERM came and the ranks did not agree to stop within "
+              f"{grace:.0f} s (another rank failed, left or hangs); {where_to_resume(checkpoint)}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
     def agreed(self):
         """The signal any rank had noted one step ago (the same answer on every rank), or None."""
-        answer = None
+        now, answer = time.monotonic(), None
+        self.longest_step, self.boundary = max(self.longest_step, now - self.boundary), now
         if self.pending:
             work, flag = self.pending
             work.wait()
@@ -640,12 +714,14 @@ class StopRequest:
         if not answer:
             flag = torch.tensor([float(self.signal)])
             self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        self.answer = answer
         return answer
 
     def close(self):
         """Wait for the flag's last allreduce (nothing may be in flight when the groups go) and
         let go of the group: the signal handlers keep this object alive, and a group object still
         referenced keeps gloo's threads running past destroy_process_group."""
+        self.watching = False
         if self.pending:
             self.pending[0].wait()
         self.pending = self.group = None
@@ -658,7 +734,7 @@ class Checkpointing:
     seconds, and what the batches are drawn from."""
     def __init__(self, save, path, every, drawn_from, final_step, master):
         self.save_fn, self.path, self.every, self.drawn_from = save, path, every, drawn_from
-        self.final_step, self.master, self.stop = final_step, master, StopRequest()
+        self.final_step, self.master, self.stop = final_step, master, StopRequest(path)
 
     def save(self, epoch, batch_in_epoch, step, totals, seconds, batches):
         partial = totals.clone()

@@ -47,7 +47,7 @@ def train(args):
         device = torch.device("cpu")
         common.share_cores(processes_here)
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
@@ -101,12 +101,14 @@ def parse_args(argv=None):
 
 def run_rank(local_rank, args):   # DDP: one process of mp.spawn, told its rank as torchrun would tell it
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    train(args)
+    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+        train(args)
 
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
-        return train(args)
+        with common.one_line_per_rank():
+            return train(args)
     # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
     # pick a free one, so two jobs on one machine never collide.
     world_size = args.world_size or torch.cuda.device_count() or 2

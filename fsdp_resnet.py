@@ -161,7 +161,7 @@ def train(args):
         device = torch.device("cpu")
         common.share_cores(processes_here)
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # FSDP: wait for all ranks
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # FSDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
@@ -273,7 +273,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python fsdp_resnet.py`: a group of one
-    return train(args)
+    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+        return train(args)
 
 if __name__ == "__main__":
     main()

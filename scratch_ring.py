@@ -284,13 +284,14 @@ def main(argv=None):
         device = torch.device("cpu")
         common.share_cores(processes_here)
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # RING: wait for all ranks
-                            rank=rank, world_size=world_size)
+                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     devices = ([torch.device("cuda", device.index + i) for i in range(args.devices)]
                if device.type == "cuda" else [device] * args.devices)
-    try:
-        return train(args, devices, rank, world_size)
-    finally:
-        dist.destroy_process_group()   # RING: leave cleanly
+    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+        try:
+            return train(args, devices, rank, world_size)
+        finally:
+            dist.destroy_process_group()   # RING: leave cleanly
 
 if __name__ == "__main__":
     main()

@@ -101,6 +101,88 @@ def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(re
     assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 96]
 
 
+# ---------------------------------------------------------------- a rank fails: one line from each, no traceback
+def no_traceback_from_a_rank(output):
+    """torchrun prints its own ChildFailedError traceback; no frame of ours may appear."""
+    ours = re.compile(r'File "' + re.escape(HERE) + r'/[^/"]+\.py"')   # a frame of a script or common.py
+    return not ours.search(output) and "[rank0]:" not in output and "[rank1]:" not in output
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py", "diloco_resnet.py"])
+def test_a_rank_that_fails_says_why_once_and_its_peer_says_it_stops(script, tmp_path):
+    """Rank 1's first batch holds a truncated image: rank 1 says which file, rank 0 (waiting in a
+    collective) says another rank failed and where the checkpoint would be, neither shows a
+    traceback, and torchrun's summary names rank 1's line as the root cause (its error file)."""
+    folder = tmp_path / "images"
+    common.write_images(DATA, str(folder), 32, 20)
+    _, train, _ = common.scan_image_folder(str(folder), True)
+    first_of_rank_1 = common.rank_shares(len(train), 8, 0, 1, rank=1, world_size=2)[0, 0].item()
+    bad = train[first_of_rank_1][0]
+    with open(bad, "r+b") as f:
+        f.truncate(60)
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--data-dir", str(folder), "--arch",
+                  "fashion_resnet18", "--workers", "1", "--batch-size", "8", "--max-steps", "2",
+                  "--out", str(tmp_path / "out")], timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert no_traceback_from_a_rank(output), output[-4000:]
+    assert result.stderr.count(f"error: cannot read {bad}") == 2, output[-4000:]   # rank 1's line, and torchrun's
+    assert "rank 0: stopping: another rank failed or left" in result.stderr, output[-4000:]
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert "rank      : 1 " in root_cause and f"traceback : error: cannot read {bad}" in root_cause, root_cause
+
+
+def rank_pids(job):
+    """{rank: pid} of a torchrun's workers, from their environment (never by name)."""
+    ranks = {}
+    for pid in children_of(job.pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def start_long_ddp_run(tmp_path):
+    log = tmp_path / "log"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "ddp_resnet.py", "--train-samples", "512", "--batch-size", "16", "--test-samples", "50",
+                            "--checkpoint-every", "2", "--data-dir", DATA, "--out", str(tmp_path)], cwd=HERE,
+                           stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+    return job, log
+
+
+def test_a_killed_rank_leaves_its_peer_one_line_naming_the_checkpoint(tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0's next collective fails; it says so in one line with the
+    command's next step (--resume from the last checkpoint) and exits, no traceback."""
+    job, log = start_long_ddp_run(tmp_path)
+    os.kill(rank_pids(job)[1], signal.SIGKILL)
+    assert job.wait(timeout=60) != 0
+    text = read(log)
+    assert no_traceback_from_a_rank(text), text[-4000:]
+    assert ("rank 0: stopping: another rank failed or left" in text and
+            f"run again with --resume to go on from the last checkpoint, {tmp_path / 'checkpoint.pt'}" in text), text[-4000:]
+
+
+def test_sigterm_to_a_rank_stuck_in_a_collective_ends_it_within_the_grace(tmp_path):
+    """Rank 1 stopped (SIGSTOP): rank 0 blocks in a collective, where no Python signal handler
+    runs. SIGTERM to rank 0 (what torchrun sends when another rank failed) still ends it, with its
+    line, after the grace (10 s plus three steps), not at gloo's 30-minute timeout."""
+    job, log = start_long_ddp_run(tmp_path)
+    ranks = rank_pids(job)
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        time.sleep(2)   # rank 0 is now waiting for rank 1
+        os.kill(ranks[0], signal.SIGTERM)
+        wait_for(lambda: "did not agree to stop" in read(log), 60, "rank 0's line")
+    finally:
+        os.kill(ranks[1], signal.SIGKILL)
+    job.wait(timeout=60)
+    text = read(log)
+    assert no_traceback_from_a_rank(text), text[-4000:]
+    assert "rank 0: stopping: SIGTERM came and the ranks did not agree to stop within" in text, text[-4000:]
+
+
 def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
     """Node-local disks: two torchrun "nodes" in folders of their own, the checkpoint (a relative
     path) only in node 0's. Rank 0 reads it and sends it on; both ranks go on from step 2."""
