@@ -8,7 +8,7 @@ group.WORLD as a default argument when first imported. DDP imports it (through t
 after init_process_group, that default would keep the group and its threads alive past
 destroy_process_group, running while the interpreter shuts down, which is when finished ranks
 were seen to abort at random."""
-import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, threading, time, types
+import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, threading, time, types, zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  (before any group exists: see the top)
@@ -121,8 +121,45 @@ def one_line_per_rank(checkpoint=None):
         reason = reason.split("] ", 1)[-1].split(". ")[0][:160]   # gloo: "[file:line] Connection closed by peer ..."
         rank = dist.get_rank()
         time.sleep(1.0)
-        raise SystemExit(f"rank {rank}: stopping: another rank failed or left ({reason}); "
-                         f"{where_to_resume(checkpoint)}") from None
+        print(f"rank {rank}: stopping: another rank failed or left ({reason}); {where_to_resume(checkpoint)}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+def problem_of(check, *args):
+    """(what check(*args) returns, None), or (None, the line it exits with): the checks below
+    exit with their line in a run of one; in a group, every rank's line is shared first."""
+    try:
+        return check(*args), None
+    except SystemExit as e:
+        return None, e.code if isinstance(e.code, str) else f"error: exit status {e.code}"
+
+def check_together(problem, rank, world_size, same=None):
+    """Before training, every rank hears every other rank's problem (its line, or None) and what
+    it sees (`same`: what must be equal on every rank, such as its data), in one collective, so
+    that a problem one node alone has ends every rank at once instead of leaving the others
+    waiting for a timeout. If any rank has a problem, all exit with status 1: each problem is
+    said once, by the first rank that has it (naming it when others do not have it), and each
+    rank without one says which rank stopped the run."""
+    told = [(problem, same)]
+    if world_size > 1:
+        told = [None] * world_size
+        dist.all_gather_object(told, (problem, same))
+    problems = [p for p, _ in told]
+    if not any(problems) and any(s != told[0][1] for _, s in told):
+        other = next(r for r, (_, s) in enumerate(told) if s != told[0][1])
+        problems = [f"error: rank {other} sees other data than rank 0 ({told[other][1]}; rank 0: {told[0][1]}): "
+                    f"every node's --data-dir must hold the same"] * world_size
+    if not any(problems):
+        return
+    mine = problems[rank]
+    if mine is None:
+        first = next(r for r, p in enumerate(problems) if p)
+        print(f"rank {rank}: stopping: rank {first} cannot go on (its line says why)", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    if problems.index(mine) != rank:   # said by an earlier rank
+        raise SystemExit(1)
+    everywhere = all(p == mine for p in problems)
+    raise SystemExit(mine if everywhere else f"rank {rank} ({socket.gethostname()}): {mine}")
 
 # ---------------------------------------------------------------- Fashion-MNIST in memory
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -179,13 +216,17 @@ def _read_idx(path, shape):
     return torch.frombuffer(bytearray(raw[4 + 4 * ndim:]), dtype=torch.uint8).view(dims)
 
 def load_fashion_mnist(data_dir, train_samples=None, test_samples=None, rank=0, world_size=1):
-    """Both splits as tensors: images float (N, 1, 28, 28) normalised, labels int64. In a
-    distributed run rank 0 alone prepares the files, and every rank hears how that went."""
-    problem = [prepare_fashion_mnist(data_dir) if rank == 0 else None]
-    if world_size > 1:
-        dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        sys.exit(problem[0] if rank == 0 else 1)
+    """Both splits as tensors: images float (N, 1, 28, 28) normalised, labels int64. Each node's
+    first process prepares the files on that node's disk (nodes need not share one); then every
+    rank reads its own and all check that they hold the same images."""
+    first_here = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    check_together(prepare_fashion_mnist(data_dir) if first_here else None, rank, world_size)
+    out, problem = problem_of(_read_fashion_mnist, data_dir, train_samples, test_samples)
+    check_together(problem, rank, world_size, same=out and ", ".join(
+        f"{len(y)} {split} images, labels crc {zlib.crc32(y.numpy().tobytes())}" for split, (_, y) in out.items()))
+    return out
+
+def _read_fashion_mnist(data_dir, train_samples, test_samples):
     paths, out = _find_files(data_dir), {}
     for i, (split, n) in enumerate((("train", train_samples), ("test", test_samples))):
         images = _read_idx(paths[2 * i], (28, 28))[:n]
@@ -211,7 +252,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FASHION_CLASSES = ("t-shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
                    "ankle_boot")
 
-def data_kind(data_dir, master):
+def data_kind(data_dir):
     """"folder" when data_dir holds train/ and val/, "fashion-mnist" when it holds the IDX files or
     nothing yet (they are then fetched); anything else exits, saying what the folder lacks."""
     has = [s for s in ("train", "val") if os.path.isdir(os.path.join(data_dir, s))]
@@ -220,18 +261,18 @@ def data_kind(data_dir, master):
     if has:
         missing = {"train", "val"} - set(has)
         sys.exit(f"error: {data_dir} has {has[0]}/ but no {missing.pop()}/: an image folder needs both, "
-                 f"each with one subfolder per class" if master else 1)
+                 f"each with one subfolder per class")
     if _find_files(data_dir) or not os.path.isdir(data_dir) or not os.listdir(data_dir):
         return "fashion-mnist"
     sys.exit(f"error: {data_dir} holds neither Fashion-MNIST's four IDX files nor train/ and val/ folders "
-             f"of images (one subfolder per class); point --data-dir at one of these" if master else 1)
+             f"of images (one subfolder per class); point --data-dir at one of these")
 
-def scan_image_folder(data_dir, master):
+def scan_image_folder(data_dir):
     """The class names and each split's (path, class index) list, classes and files sorted by name
     (as torchvision's ImageFolder does). Hidden files are skipped; anything else that is not an
     image, an empty class, or classes that differ between train/ and val/ exit, naming the path."""
     def refuse(message):
-        sys.exit(f"error: {message}" if master else 1)
+        sys.exit(f"error: {message}")
     splits = {}
     for split in ("train", "val"):
         root = os.path.join(data_dir, split)
@@ -411,14 +452,20 @@ def load_data(args, rank, world_size, device, memory_format, master):
     (every rank calls it), the model's name and number of classes. Fashion-MNIST's IDX
     files are held in memory (the fastest for data that small); a folder of images is read by
     --workers DataLoader workers. The global batch is fixed here; what it leaves out is said."""
-    kind = data_kind(args.data_dir, master)
+    # Each rank checks what its node holds (each node may have its own disk); all hear every problem.
+    def check_kind():
+        if master:
+            check_out_dir(args.out)
+        kind = data_kind(args.data_dir)   # told to every rank below: the nodes must agree on it
+        if kind == "fashion-mnist" and (args.arch not in (None, "fashion_resnet18") or args.image_size not in (None, 28)):
+            sys.exit("error: Fashion-MNIST's IDX files train fashion_resnet18 on 28x28 images; for --arch or "
+                     "--image-size, write them as an image folder first (python common.py --write-images DIR)")
+        return kind
+    kind, problem = problem_of(check_kind)
+    check_together(problem, rank, world_size, same=f"{args.data_dir} holds {kind}")
     arch = args.arch or ("fashion_resnet18" if kind == "fashion-mnist" else "resnet18")
     one_channel = arch == "fashion_resnet18"
     if kind == "fashion-mnist":
-        if arch != "fashion_resnet18" or args.image_size not in (None, 28):
-            sys.exit("error: Fashion-MNIST's IDX files train fashion_resnet18 on 28x28 images; for --arch or "
-                     "--image-size, write them as an image folder first (python common.py --write-images DIR)"
-                     if master else 1)
         data = load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
         (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
         rank_batch = rank_batch_size(args.batch_size, world_size, len(y_train), master)
@@ -428,7 +475,11 @@ def load_data(args, rank, world_size, device, memory_format, master):
         said = f"Fashion-MNIST in memory ({len(y_train)} training, {len(y_test)} test images)"
         classes, test_samples = 10, len(y_test)
     else:
-        names, train_samples, val_samples = scan_image_folder(args.data_dir, master)
+        found, problem = problem_of(scan_image_folder, args.data_dir)
+        names, train_samples, val_samples = found or ([], [], [])
+        listing = " ".join(os.path.relpath(path, args.data_dir) for path, _ in train_samples + val_samples)
+        check_together(problem, rank, world_size, same=f"{len(train_samples)} training, {len(val_samples)} validation "
+                       f"images of {len(names)} classes, names crc {zlib.crc32(listing.encode())}")
         train_samples, val_samples = spread(train_samples, args.train_samples), spread(val_samples, args.test_samples)
         if len(val_samples) < world_size:
             sys.exit(f"error: {args.data_dir}/val has {len(val_samples)} images, fewer than the {world_size} ranks; "

@@ -123,8 +123,6 @@ def train(args):
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
-    if master:
-        common.check_out_dir(args.out)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     # Fashion-MNIST held on the device, or an image folder read by DataLoader workers; either way
     # the same global batches at any world size, drawn from (seed, epoch).

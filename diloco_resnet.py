@@ -147,8 +147,6 @@ def train(args):
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DiLoCo: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DiLoCo: rank 0 alone prints and writes
-    if master:
-        common.check_out_dir(args.out)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     data = common.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
     global_batch = data.train.global_batch

@@ -82,7 +82,7 @@ def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, 
 def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_after_a_resume(images):
     """The same picture at different indices, epochs, ranks or workers is cropped differently;
     the same (epoch, index) is cropped alike again, whoever loads it, as after a resume."""
-    one_file = common.scan_image_folder(str(images), True)[1][0]
+    one_file = common.scan_image_folder(str(images))[1][0]
     train_transform, _ = common.image_transforms(24, one_channel=True, augment=True)
     same_picture = common.ImageFiles([one_file] * 32, train_transform, "L", seed=0)
     before = torch.get_rng_state()
@@ -108,7 +108,7 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
 def test_a_subset_of_a_folder_spans_its_classes(images):
     """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48
     (which come from the first five classes)."""
-    _, train, _ = common.scan_image_folder(str(images), True)
+    _, train, _ = common.scan_image_folder(str(images))
     assert len({label for _, label in train[:48]}) <= 5
     subset = common.spread(train, 48)
     assert len(subset) == 48 and {label for _, label in subset} == set(range(10))
@@ -172,7 +172,7 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
     net = common.fashion_resnet18(0)
     net.load_state_dict(load_model(tmp_path))
     _, val_transform = common.image_transforms(28, one_channel=True, augment=False)
-    val = common.ImageFiles(common.scan_image_folder(str(images), True)[2], val_transform, "L", seed=0)
+    val = common.ImageFiles(common.scan_image_folder(str(images))[2], val_transform, "L", seed=0)
     assert metrics["test_acc"] == common.evaluate_folder(net.eval(), val, torch.device("cpu"))
 
 

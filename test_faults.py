@@ -115,7 +115,7 @@ def test_a_rank_that_fails_says_why_once_and_its_peer_says_it_stops(script, tmp_
     traceback, and torchrun's summary names rank 1's line as the root cause (its error file)."""
     folder = tmp_path / "images"
     common.write_images(DATA, str(folder), 32, 20)
-    _, train, _ = common.scan_image_folder(str(folder), True)
+    _, train, _ = common.scan_image_folder(str(folder))
     first_of_rank_1 = common.rank_shares(len(train), 8, 0, 1, rank=1, world_size=2)[0, 0].item()
     bad = train[first_of_rank_1][0]
     with open(bad, "r+b") as f:
@@ -181,6 +181,55 @@ def test_sigterm_to_a_rank_stuck_in_a_collective_ends_it_within_the_grace(tmp_pa
     text = read(log)
     assert no_traceback_from_a_rank(text), text[-4000:]
     assert "rank 0: stopping: SIGTERM came and the ranks did not agree to stop within" in text, text[-4000:]
+
+
+# ---------------------------------------------------------------- several nodes, each with its own disk
+def two_nodes(folders, flags, timeout=120):
+    """Two torchrun "nodes" of one process each, each started in its own folder (a disk of its own)."""
+    port = common.free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               os.path.join(HERE, "ddp_resnet.py")] + flags,
+                              cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **ONE_THREAD, **OFFLINE})
+             for i, folder in enumerate(folders)]
+    outputs = [node.communicate(timeout=timeout) for node in nodes]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+@pytest.mark.parametrize("node_1_has", ["nothing", "a truncated file", "other images"])
+def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(node_1_has, tmp_path):
+    """The README's several-machines command in two empty folders (default --data-dir data): each
+    node's first process fetches its own copy, and both train. A problem only node 1 has (a
+    truncated file; other images than node 0's) is said by node 1 with its rank, and node 0 stops
+    with one line at once, not after --init-timeout."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    if node_1_has != "nothing":
+        shutil.copytree(DATA, folders[1] / "data", ignore=shutil.ignore_patterns("FashionMNIST"))
+        first_labels = folders[1] / "data" / "train-labels-idx1-ubyte.gz"
+        if node_1_has == "a truncated file":
+            first_labels.write_bytes(first_labels.read_bytes()[:100])
+        else:   # the test set's labels where the training set's should be
+            shutil.copy(folders[1] / "data" / "t10k-labels-idx1-ubyte.gz", first_labels)
+            shutil.copy(folders[1] / "data" / "t10k-images-idx3-ubyte.gz", folders[1] / "data" / "train-images-idx3-ubyte.gz")
+    started = time.time()
+    (code0, out0, err0), (code1, out1, err1) = two_nodes(
+        folders, ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--max-steps", "1",
+                  "--init-timeout", "120"])
+    if node_1_has == "nothing":
+        assert code0 == 0 and code1 == 0, (err0 + err1)[-3000:]
+        assert "done: 1 steps" in out0
+        return
+    assert code0 != 0 and code1 != 0
+    assert time.time() - started < 60   # both stopped long before --init-timeout
+    if node_1_has == "a truncated file":   # node 1 names itself and the file; node 0 says why it stops
+        assert f"rank 1 ({os.uname().nodename}): error: data/train-labels-idx1-ubyte.gz is truncated" in err1, err1[-3000:]
+        assert "rank 0: stopping: rank 1 cannot go on" in err0, err0[-3000:]
+    else:   # a problem of both, said once
+        assert "error: rank 1 sees other data than rank 0" in err0 and "sees other data" not in err1, err1[-3000:]
+    assert no_traceback_from_a_rank(err0 + err1), (err0 + err1)[-3000:]
 
 
 def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
@@ -309,7 +358,7 @@ def test_two_jobs_side_by_side_both_finish(tmp_path):
         assert job.returncode == 0, err[-3000:]
 
 
-def test_data_is_prepared_once_by_rank_zero(tmp_path):
+def test_data_is_prepared_once_per_node(tmp_path):
     fresh = tmp_path / "fresh"
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "scratch_ring.py", "--data-dir", str(fresh),
                   "--max-steps", "1", "--train-samples", "300", "--test-samples", "30", "--out", str(tmp_path / "out")])

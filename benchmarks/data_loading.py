@@ -45,7 +45,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "images")
         common.write_images(os.path.join(HERE, "data"), folder, IMAGES, 100)
-        _, train, _ = common.scan_image_folder(folder, True)
+        _, train, _ = common.scan_image_folder(folder)
         print(f"\n1. the loader alone ({IMAGES} PNG files, batches of {BATCH}), images/s")
         print(f"{'workers':>8} {'28x28 L, no augmentation':>26} {'224x224 RGB, crop and flip':>28}")
         small = common.ImageFiles(train, common.image_transforms(28, True, False)[0], "L", 0)
