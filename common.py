@@ -553,6 +553,18 @@ def lr_schedule(optimizer, warmup_steps, total_steps, kind):
                 "step": 0.1 ** min(2, int(done * 3)), "constant": 1.0}[kind]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
+def continue_schedule(optimizer, scheduler, lr, weight_decay, step):
+    """After a resume the optimizer's state (momentum) is the checkpoint's, and its learning
+    rate, weight decay and schedule are this run's flags, taken up at `step`: the schedule is a
+    function of the step, so with the same flags this is where the checkpoint's would be, and
+    with other ones they apply from here. (The optimizer's and a scheduler's saved state would
+    bring back the checkpoint's rate whatever --lr says.)"""
+    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0)):   # as param_groups makes them
+        group.update(initial_lr=lr, weight_decay=decay)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    scheduler.last_epoch = step - 1
+    scheduler.step()   # sets every group's rate for step `step`
+
 # ---------------------------------------------------------------- the ResNet-18 of dp_resnet and ddp_resnet
 def fashion_resnet18(seed, num_classes=10):
     """torchvision's ResNet-18 for 1x28x28 images: a 3x3 stride-1 stem and no max-pool, so the
@@ -783,15 +795,16 @@ class Checkpointing:
     `save(position)` is the script's own writer, called on every rank. A position: the epoch under
     way, its batches done, the global step, the epoch's partial totals (summed over ranks) and
     seconds, and what the batches are drawn from."""
-    def __init__(self, save, path, every, drawn_from, final_step, master):
-        self.save_fn, self.path, self.every, self.drawn_from = save, path, every, drawn_from
+    def __init__(self, save, path, every, drawn_from, final_step, master, recipe=None):
+        self.save_fn, self.path, self.every, self.drawn_from, self.recipe = save, path, every, drawn_from, recipe
         self.final_step, self.master, self.stop = final_step, master, StopRequest(path)
 
     def save(self, epoch, batch_in_epoch, step, totals, seconds, batches):
         partial = totals.clone()
         dist.all_reduce(partial)   # every rank's sums so far
         self.save_fn({"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step,
-                      "totals": partial.tolist(), "seconds": seconds, "drawn_from": self.drawn_from})
+                      "totals": partial.tolist(), "seconds": seconds, "drawn_from": self.drawn_from,
+                      "recipe": self.recipe})
         if self.master:
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{batches})", flush=True)
 
@@ -812,23 +825,40 @@ class Checkpointing:
 
     def epoch_done(self, epoch, step):
         self.save_fn({"epoch": epoch + 1, "batch_in_epoch": 0, "step": step, "totals": [0.0] * 3,
-                      "seconds": 0.0, "drawn_from": self.drawn_from})
+                      "seconds": 0.0, "drawn_from": self.drawn_from,
+                      "recipe": self.recipe})
 
     def close(self):   # at the end of the run, before the group goes
         self.stop.close()
 
+def recipe_of(args):
+    """The flags of the large-batch recipe, kept in checkpoints to say what a resume changes."""
+    return {"--lr": args.lr, "--weight-decay": args.weight_decay, "--schedule": args.schedule,
+            "--warmup-epochs": args.warmup_epochs, "--epochs": args.epochs}
+
 def resume_position(saved, drawn_from, args, steps_per_epoch, master):
     """The position a loaded checkpoint goes on from, said in one line; None when nothing is
     left to train (the caller leaves the group and returns). Exits, saying why, when the
-    checkpoint stopped inside an epoch and this run would draw other batches."""
+    checkpoint stopped inside an epoch and this run would draw other batches. At an epoch's end
+    other batches are fine: the run goes on from the next epoch, its steps counted in this run's
+    batches. Other recipe flags (--lr, ...) are said, and apply from here (continue_schedule)."""
     position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
     path = args.checkpoint
-    if position["batch_in_epoch"] and saved["drawn_from"] != drawn_from:
-        differ = ", ".join(f"{k} {saved['drawn_from'][k]} there, {v} here"
-                           for k, v in drawn_from.items() if saved["drawn_from"][k] != v)
+    differ = ", ".join(f"{k} {saved['drawn_from'][k]} there, {v} here"
+                       for k, v in drawn_from.items() if saved["drawn_from"][k] != v)
+    if position["batch_in_epoch"] and differ:
         raise SystemExit(f"error: cannot resume from {path}: it stopped inside epoch {position['epoch']}, and "
                          f"this run draws other batches ({differ}); use the same --batch-size, --seed and "
                          f"--train-samples, or start without --resume" if master else 1)
+    if differ:   # at an epoch's end: the epochs done are what counts, in this run's steps
+        position["step"] = (position["epoch"] - 1) * steps_per_epoch
+        if master:
+            print(f"note: {path} was written with other batches ({differ}); it finished epoch "
+                  f"{position['epoch'] - 1}, which is step {position['step']} in this run's batches", flush=True)
+    changed = [f"{k} {v} (was {saved['recipe'][k]})" for k, v in recipe_of(args).items()
+               if saved.get("recipe") and saved["recipe"].get(k, v) != v]
+    if changed and master:
+        print(f"note: resumed with {', '.join(changed)}: applied from step {position['step']} on", flush=True)
     if args.max_steps and position["step"] >= args.max_steps:
         nothing = f"it is at step {position['step']}, at or past --max-steps {args.max_steps}"
     elif position["epoch"] > args.epochs:

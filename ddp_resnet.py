@@ -27,15 +27,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, arch, net, optimizer, scheduler, position, history, device):
+def save_checkpoint(path, arch, net, optimizer, position, history, device):
     """Everything a restarted job needs to go on exactly where this one was (`position`: see
     common.Checkpointing). Temp file, then rename: a crash while writing leaves the previous
     checkpoint usable."""
     state = {"arch": arch, **position, "history": history, "model": net.state_dict(),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **common.rng_state(device)}
+             "optimizer": optimizer.state_dict(), **common.rng_state(device)}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, arch, net, optimizer, scheduler, device, master):
+def load_checkpoint(path, arch, net, optimizer, device, master):
     """Rank 0 alone decides: it reads the file and checks it by loading it, then sends it to
     every rank, so that ranks on nodes that do not see the file (node-local disks) go on from the
     same step. Returns the checkpoint, or None when there is none; errors exit, said once."""
@@ -50,7 +50,7 @@ def load_checkpoint(path, arch, net, optimizer, scheduler, device, master):
                                  if isinstance(state[0], dict) and "arch" in state[0] else ""))
             net.load_state_dict(state[0]["model"])
             optimizer.load_state_dict(state[0]["optimizer"])
-            missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from", "scheduler"} - state[0].keys()
+            missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state[0].keys()
             if missing:
                 raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
         except Exception as e:   # a foreign pickle can raise anything; say which file and why
@@ -63,7 +63,6 @@ def load_checkpoint(path, arch, net, optimizer, scheduler, device, master):
         net.load_state_dict(state[0]["model"])
         optimizer.load_state_dict(state[0]["optimizer"])
     if state[0]:
-        scheduler.load_state_dict(state[0]["scheduler"])
         common.restore_rng(state[0], device)
     return state[0]
 
@@ -150,19 +149,20 @@ def train(args):
     drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
     # Where the run is: epoch under way, batches of it done, global step, partial totals and seconds.
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = load_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, device, master) if args.resume else None
+    state = load_checkpoint(args.checkpoint, data.arch, net, optimizer, device, master) if args.resume else None
     if state:
         position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
         metrics["epochs"] = state["history"]
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # DDP: leave cleanly
             return net
+        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # DDP: every rank holds the same weights; rank 0 writes them
         if master:
-            save_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, here, metrics["epochs"], device)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
-                                       final_step, master)   # DDP: all ranks stop at the same step
+            save_checkpoint(args.checkpoint, data.arch, net, optimizer, here, metrics["epochs"], device)
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       recipe=common.recipe_of(args))   # DDP: all ranks stop at the same step
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")   # see the top
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
     # DDP: the wrap. PowerSGD on gloo takes one bucket: it sends its factors from callbacks, and

@@ -89,7 +89,7 @@ def on_cpu(state):
         return {k: on_cpu(v) for k, v in state.items()}
     return type(state)(on_cpu(v) for v in state) if isinstance(state, (list, tuple)) else state
 
-def save_checkpoint(path, arch, net, optimizer, scheduler, outer, position, history, device, rank, world_size):
+def save_checkpoint(path, arch, net, optimizer, outer, position, history, device, rank, world_size):
     """Rank 0 writes one file: the position, the shared weights and outer momentum, and each
     rank's replica, inner optimizer and random state, gathered (inside a round they differ)."""
     replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)})
@@ -97,10 +97,10 @@ def save_checkpoint(path, arch, net, optimizer, scheduler, outer, position, hist
     dist.gather_object(replica, replicas, dst=0)   # DiLoCo: every rank's replica to rank 0
     if rank == 0:
         state = {"arch": arch, "world_size": world_size, **position, "history": history, "outer": outer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "replicas": replicas}
+                 "replicas": replicas}
         common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, arch, net, optimizer, scheduler, outer, device, rank, world_size):
+def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size):
     """Rank 0 reads and checks the file, then sends each rank its replica and all the rest.
     Returns the checkpoint (without replicas), or None when there is none; errors exit, said once."""
     state = [None]
@@ -128,7 +128,6 @@ def load_checkpoint(path, arch, net, optimizer, scheduler, outer, device, rank, 
         optimizer.load_state_dict(mine[0]["optimizer"])
         common.restore_rng(mine[0], device)
         outer.load_state_dict(state[0]["outer"])
-        scheduler.load_state_dict(state[0]["scheduler"])
     return state[0]
 
 # ---------------------------------------------------------------- training
@@ -163,7 +162,7 @@ def train(args):
                                  world_size, data.test_samples)
     drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = (load_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, outer, device, rank, world_size)
+    state = (load_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, device, rank, world_size)
              if args.resume else None)
     if state:
         position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
@@ -171,13 +170,14 @@ def train(args):
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # DiLoCo: leave cleanly
             return outer.shared_state(net)
+        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
     final_step = min(args.max_steps or math.inf, last_step)
     def save(here):   # DiLoCo: every rank sends its replica; rank 0 writes
-        save_checkpoint(args.checkpoint, data.arch, net, optimizer, scheduler, outer, here, metrics["epochs"],
+        save_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, here, metrics["epochs"],
                         device, rank, world_size)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from,
-                                       final_step, master)   # DiLoCo: all ranks stop at the same step
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       recipe=common.recipe_of(args))   # DiLoCo: all ranks stop at the same step
     sent = common.SentBytes()
     if master:
         print(f"diloco_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "

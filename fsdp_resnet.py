@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 import common
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
-def save_checkpoint(path, arch, model, optimizer, scheduler, position, history, rank, device):
+def save_checkpoint(path, arch, model, optimizer, position, history, rank, device):
     """torch.distributed.checkpoint: each rank writes its own shards (on storage every node sees);
     no rank ever holds the whole model. Each checkpoint is a folder of its own, `step-N` inside
     the folder `path`, written as `step-N.tmp` and renamed when complete; the older ones are
@@ -47,8 +47,7 @@ def save_checkpoint(path, arch, model, optimizer, scheduler, position, history, 
     dist.barrier()   # FSDP: the folder is clean before anyone writes
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")   # FSDP: own shards
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
-        torch.save({"arch": arch, **position, "history": history, "scheduler": scheduler.state_dict(),
-                    **common.rng_state(device)},
+        torch.save({"arch": arch, **position, "history": history, **common.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
         shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
         os.replace(done + ".tmp", done)
@@ -62,7 +61,7 @@ def newest_checkpoint(path):
     steps = [name for name in os.listdir(path) if re.fullmatch(r"step-\d+", name)] if os.path.isdir(path) else []
     return os.path.join(path, max(steps, key=lambda name: int(name[5:]))) if steps else None
 
-def load_checkpoint(path, arch, model, optimizer, scheduler, device, rank, world_size):
+def load_checkpoint(path, arch, model, optimizer, device, rank, world_size):
     """Rank 0 picks the checkpoint and reads its position; every rank then loads its own shards,
     whatever the world size that wrote them (DCP reshards). Returns the progress (position,
     history), or None when there is none; errors exit, said once."""
@@ -97,7 +96,6 @@ def load_checkpoint(path, arch, model, optimizer, scheduler, device, rank, world
     dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
-    scheduler.load_state_dict(progress["scheduler"])
     common.restore_rng(progress, device)
     return progress
 
@@ -181,18 +179,19 @@ def train(args):
                                  data.test_samples)
     drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    saved = (load_checkpoint(args.checkpoint, data.arch, model, optimizer, scheduler, device, rank, world_size)
-             if args.resume else None)
+    saved = load_checkpoint(args.checkpoint, data.arch, model, optimizer, device, rank, world_size) if args.resume else None
     if saved:
         position = common.resume_position(saved, drawn_from, args, steps_per_epoch, master)
         metrics["epochs"] = saved["history"]
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # FSDP: leave cleanly
             return None
+        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # FSDP: every rank writes its own shards
-        save_checkpoint(args.checkpoint, data.arch, model, optimizer, scheduler, here, metrics["epochs"], rank, device)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master)
+        save_checkpoint(args.checkpoint, data.arch, model, optimizer, here, metrics["epochs"], rank, device)
+    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       recipe=common.recipe_of(args))
     if master:
         print(f"fsdp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
               f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"

@@ -264,6 +264,26 @@ def test_mid_epoch_checkpoint_of_other_batches_is_refused(flags, differs, mid_ep
     assert differs in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py", "diloco_resnet.py"])
+def test_resume_at_an_epoch_end_with_another_batch_and_learning_rate_goes_on_by_epochs(script, tmp_path):
+    """One epoch at batch 16 (4 steps), then --resume at batch 32 for 3 epochs with another --lr:
+    epochs 2 and 3 are trained (2 steps each at 32, so 6 steps in this run's batches), it says
+    what changed, and the rate it trains at is the new --lr's, scaled and scheduled at that step."""
+    flags = ["--train-samples", "64", "--test-samples", "10", "--data-dir", DATA, "--out", str(tmp_path)]
+    assert_ok(run(["python", script, "--batch-size", "16", "--epochs", "1"] + flags, env=ONE_THREAD))
+    resumed = run(["python", script, "--batch-size", "32", "--epochs", "3", "--lr", "0.1", "--resume"] + flags,
+                  env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "finished epoch 1, which is step 2 in this run's batches" in resumed.stdout, resumed.stdout
+    assert "note: resumed with --lr 0.1 (was 0.05), --epochs 3 (was 1): applied from step 2 on" in resumed.stdout
+    assert "done: 6 steps" in resumed.stdout
+    assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [64, 64, 64]
+    if script == "ddp_resnet.py":   # the optimizer's rate after the last step: --lr 0.1 x 32/256, cosine at 6 of 6
+        groups = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["optimizer"]["param_groups"]
+        assert groups[0]["initial_lr"] == pytest.approx(0.1 * 32 / 256) and groups[0]["lr"] == pytest.approx(0.0)
+        assert [g["weight_decay"] for g in groups] == [5e-4, 0.0]
+
+
 def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
     """Same global batch, same batches: 1 process with 2 micro-batches (the per-rank BatchNorm of
     2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
