@@ -900,13 +900,15 @@ non_negative_int, non_negative_float = _at_least(int, True), _at_least(float, Tr
 def base_parser(script, description, epochs, batch_size, lr, data=True, resnet=False, distributed=False,
                 recipe=False):
     """The flags every training script shares; each script adds its own. `resnet`: --amp and
-    --channels-last; `distributed`: --init-timeout; `recipe`: the learning-rate schedule, the
-    weight decay, and the model and loading of image folders."""
+    --channels-last, and --lr given for 256 samples (scaled_lr); `distributed`: --init-timeout;
+    `recipe`: the learning-rate schedule, the weight decay, and the model and loading of image
+    folders."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
     p.add_argument("--batch-size", type=positive_int, default=batch_size,
                    help="global batch: summed over all replicas or ranks")
-    p.add_argument("--lr", type=positive_float, default=lr, help="learning rate")
+    p.add_argument("--lr", type=positive_float, default=lr, help="learning rate for 256 samples, scaled linearly with "
+                   "the global batch (Goyal et al.)" if resnet else "learning rate")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
     if data:
         p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)" +
@@ -919,8 +921,6 @@ def base_parser(script, description, epochs, batch_size, lr, data=True, resnet=F
     p.add_argument("--test-samples", type=positive_int, help="use only the first N test images" +
                    (" (of a folder: N spread evenly over its classes)" if recipe else ""))
     if recipe:   # the large-batch recipe and data from disk (ddp_resnet.py, fsdp_resnet.py)
-        lr_action = next(a for a in p._actions if a.dest == "lr")
-        lr_action.help = "learning rate for 256 samples, scaled linearly with the global batch (Goyal et al.)"
         p.add_argument("--warmup-epochs", type=non_negative_float, default=0.0,
                        help="raise the learning rate linearly from ~0 over these epochs (5 for batches of 8k)")
         p.add_argument("--schedule", choices=("cosine", "step", "constant"), default="cosine",

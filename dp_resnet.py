@@ -39,10 +39,12 @@ def train(args):
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
     net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
     model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
-    optimizer = torch.optim.SGD(common.param_groups(net, 5e-4), lr=args.lr, momentum=0.9)   # as ddp_resnet.py
+    lr = common.scaled_lr(args.lr, args.batch_size)   # --lr is for 256 samples, as in ddp_resnet.py
+    optimizer = torch.optim.SGD(common.param_groups(net, 5e-4), lr=lr, momentum=0.9)   # as ddp_resnet.py
     metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
     sent = common.SentBytes()   # what DataParallel moves between GPUs per step; with one device, nothing
-    print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}", flush=True)
+    print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}, "
+          f"lr {lr:g} ({args.lr:g} x {args.batch_size}/256), constant", flush=True)
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(device)   # as ddp_resnet.py

@@ -355,10 +355,8 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, tmp_path):
 
 def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):
     """One step of dp_resnet.py is the step of one DDP rank (the reference, which
-    ddp_resnet.py computes: test above). dp_resnet.py takes --lr as it is; ddp_resnet.py's is for
-    256 samples (0.05 x 16/256)."""
-    result = run(["python", "dp_resnet.py"] + RESNET + ["--lr", str(0.05 * 16 / 256), "--max-steps", "1",
-                                                       "--out", str(tmp_path)], env=ONE_THREAD)
+    ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both."""
+    result = run(["python", "dp_resnet.py"] + RESNET + ["--max-steps", "1", "--out", str(tmp_path)], env=ONE_THREAD)
     assert_ok(result)
     assert "DataParallel runs the model on the CPU" in result.stdout
     assert json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"] == 0   # one device: nothing moves
