@@ -329,7 +329,7 @@ class ImageFiles(torch.utils.data.Dataset):
             raise UnreadableImage(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): "
                                   f"replace or remove the file") from None
         with torch.random.fork_rng(devices=[]):   # leaves the caller's generator as it was
-            torch.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
+            torch.default_generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_000_007 + index) % 2**63)
             return self.transform(image), label
 
 def image_transforms(image_size, one_channel, augment):
@@ -640,7 +640,7 @@ class SentBytes:
     ring allreduce of n bytes over W ranks sends 2 (W-1)/W n from each rank, a reduce-scatter of
     n bytes (W-1)/W n, an all-gather of shards of s bytes (W-1) s."""
     def __init__(self):
-        self.counts, self.counting = {}, True
+        self.counts, self.each_step, self.counting = {}, {}, True   # each_step: bytes known to go every step
 
     @contextlib.contextmanager
     def paused(self):
@@ -672,13 +672,17 @@ class SentBytes:
             module.dist = Counted("torch.distributed")
 
     @classmethod
-    def of_ddp(cls, ddp_model, world_size, state=None, hook=None):
-        """Register a DDP communication hook, with the tensors it sends counted; without one,
-        PyTorch's plain `allreduce_hook`: the sum DDP does by itself, in Python, so it is seen."""
+    def of_ddp(cls, ddp_model, world_size, hooked=False):
+        """What DDP sends per step. Without a communication hook DDP allreduces every gradient
+        once per step in its own buckets: the gradients' bytes, counted here once (none with one
+        rank). With one (`hooked`), the allreduces of PyTorch's hooks are counted as they go."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         sent = cls()
-        sent.count_all_reduce(default_hooks, powerSGD_hook, group=f"{world_size} ranks")
-        ddp_model.register_comm_hook(state, hook or default_hooks.allreduce_hook)
+        if hooked:
+            sent.count_all_reduce(default_hooks, powerSGD_hook, group=f"{world_size} ranks")
+        elif world_size > 1:
+            sent.each_step[f"all_reduce ({world_size} ranks)"] = sum(
+                p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
         return sent
 
     @classmethod
@@ -713,7 +717,7 @@ class SentBytes:
 
     def record(self, metrics, steps):
         """metrics["sent_bytes_per_step"]: the mean over this run's `steps`, and by collective."""
-        by = {k: round(v / steps) for k, v in self.counts.items()} if steps else {}
+        by = {**{k: round(v / steps) for k, v in self.counts.items()}, **self.each_step} if steps else {}
         metrics.update(sent_bytes_per_step=sum(by.values()), sent_bytes_by_collective=by)
 
 # ---------------------------------------------------------------- preemption and resuming
@@ -959,7 +963,11 @@ def rank_batch_size(batch_size, world_size, train_samples, master, what="trainin
     return rank_batch
 
 def check_out_dir(out):
-    """Fail before training, not after it, when the outputs cannot be written."""
+    """Fail before training, not after it, when the outputs cannot be written (or drawn)."""
+    try:
+        import matplotlib   # noqa: F401  (curves.png is drawn with it at the end)
+    except ImportError:
+        sys.exit("error: matplotlib is missing, and curves.png is drawn with it: pip install matplotlib")
     try:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, ".write-test"), "w"):

@@ -12,10 +12,10 @@ is given for 256 samples and scaled with the global batch, warmed up, then decay
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 
-One warning is silenced: DDP compares each gradient's strides with its bucket's, those of size-1
-dimensions too, which do not change the layout. On GPUs the 1x1 shortcut convolutions and the
-one-channel stem get gradients with such nominal differences, and DDP warns once of a mismatch
-that is not there (pytorch#47163).
+One warning is silenced, in backward only: DDP compares each gradient's strides with its bucket's,
+those of size-1 dimensions too, which do not change the layout. On GPUs the 1x1 shortcut
+convolutions and the one-channel stem get gradients with such nominal differences, and DDP warns
+once of a mismatch that is not there (pytorch#47163).
 """
 import contextlib, math, os, time, warnings
 import torch
@@ -100,7 +100,9 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
             with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
                 logits = model(X_micro)
                 loss = F.cross_entropy(logits, y_micro)
-            (loss / accum_steps).backward()   # the mean over the whole rank batch
+            with warnings.catch_warnings():   # see the top: a stride warning for a mismatch that is not there
+                warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+                (loss / accum_steps).backward()   # the mean over the whole rank batch
         loss_sum = loss_sum + loss.detach().float() * len(y_micro)
         hits = hits + (logits.argmax(1) == y_micro).sum()
     optimizer.step()
@@ -163,17 +165,15 @@ def train(args):
             save_checkpoint(args.checkpoint, data.arch, net, optimizer, here, metrics["epochs"], device)
     checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
                                        recipe=common.recipe_of(args))   # DDP: all ranks stop at the same step
-    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")   # see the top
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
     # DDP: the wrap. PowerSGD on gloo takes one bucket: it sends its factors from callbacks, and
     # gloo runs several buckets' in different orders on different ranks (a size-mismatch abort).
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
                     bucket_cap_mb=1e6 if one_bucket else None)
-    # DDP: the hook that sends each bucket, set before the first backward: PyTorch's plain allreduce,
-    # or --comm-hook's compression; what it hands to the allreduce is counted
-    hook = comm_hook(args, state is not None, master) if args.comm_hook else ()
-    sent = common.SentBytes.of_ddp(ddp_model, world_size, *hook)   # DDP: registers the hook
+    if args.comm_hook:   # DDP: compression replaces each bucket's allreduce; set before the first backward
+        ddp_model.register_comm_hook(*comm_hook(args, state is not None, master))
+    sent = common.SentBytes.of_ddp(ddp_model, world_size, hooked=bool(args.comm_hook))   # what is sent, counted
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:

@@ -58,7 +58,7 @@ def train(args):
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = DDP(ToyMLP().to(device))   # DDP: averages the gradients across ranks during backward
-    sent = common.SentBytes.of_ddp(model, world_size)   # DDP: its allreduce of each bucket, counted
+    sent = common.SentBytes.of_ddp(model, world_size)   # the gradients' bytes DDP allreduces per step
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
                                  world_size, len(y_test))

@@ -79,15 +79,17 @@ def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, 
     assert accuracy[0] == accuracy[1]
 
 
-def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_after_a_resume(images):
+def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_after_a_resume(images, monkeypatch):
     """The same picture at different indices, epochs, ranks or workers is cropped differently;
-    the same (epoch, index) is cropped alike again, whoever loads it, as after a resume."""
+    the same (epoch, index) is cropped alike again, whoever loads it, as after a resume. Loading
+    (in the training process with --workers 0) leaves its generators as they were, the GPU's too."""
     one_file = common.scan_image_folder(str(images))[1][0]
     train_transform, _ = common.image_transforms(24, one_channel=True, augment=True)
     same_picture = common.ImageFiles([one_file] * 32, train_transform, "L", seed=0)
-    before = torch.get_rng_state()
+    before, gpu_seeded = torch.get_rng_state(), []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: gpu_seeded.append(seed))
     draw = same_picture[(1, 0)][0]
-    assert torch.equal(torch.get_rng_state(), before)   # the training process's generator untouched
+    assert torch.equal(torch.get_rng_state(), before) and gpu_seeded == []   # the training process's generators untouched
     assert torch.equal(draw, same_picture[(1, 0)][0])
     assert not torch.equal(draw, same_picture[(1, 1)][0]) and not torch.equal(draw, same_picture[(2, 0)][0])
     per_rank = []

@@ -78,6 +78,16 @@ def test_missing_data_offline_says_what_to_do(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_missing_matplotlib_is_said_before_training(tmp_path):
+    """curves.png is drawn at the end; without matplotlib the run stops at the start, saying so."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "matplotlib.py").write_text("raise ImportError('hidden for this test')")
+    result = run(["python", "ddp_resnet.py", "--out", str(tmp_path / "out")] + RESNET,
+                 env={"PYTHONPATH": str(tmp_path / "hide")})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: matplotlib is missing" in result.stderr and "ddp_resnet:" not in result.stdout   # before training
+
+
 def test_truncated_data_file_is_named(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(DATA, data, ignore=shutil.ignore_patterns("FashionMNIST"))
@@ -349,8 +359,9 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, tmp_path):
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), resnet_reference(nproc))
     sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_by_collective"]
-    assert sent == {f"all_reduce ({nproc} ranks)": RESNET_BYTES}   # every gradient, once per step
-    assert f"{RESNET_BYTES / 1e6:.3g} MB to collectives per step and rank" in result.stdout
+    expected = RESNET_BYTES if nproc > 1 else 0   # every gradient, once per step; one rank sends nothing
+    assert sent == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES} if nproc > 1 else {})
+    assert f"{expected / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(tmp_path):

@@ -72,8 +72,7 @@ def fsdp_load(checkpoint, out):
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
     model = fsdp_resnet.shard(common.fashion_resnet18(1), mesh, amp=False)   # other weights
     optimizer = torch.optim.SGD(common.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
-    scheduler = common.lr_schedule(optimizer, 0, 10, "cosine")
-    fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, scheduler, device, rank, world_size)
+    fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, device, rank, world_size)
     state = fsdp_resnet.full_state_dict(model)
     if rank == 0:
         torch.save(state, out)
