@@ -802,6 +802,8 @@ class Checkpointing:
     def __init__(self, save, path, every, drawn_from, final_step, master, recipe=None):
         self.save_fn, self.path, self.every, self.drawn_from, self.recipe = save, path, every, drawn_from, recipe
         self.final_step, self.master, self.stop = final_step, master, StopRequest(path)
+        if master:
+            remove_leftovers(path)
 
     def save(self, epoch, batch_in_epoch, step, totals, seconds, batches):
         partial = totals.clone()
@@ -975,12 +977,38 @@ def check_out_dir(out):
         os.remove(os.path.join(out, ".write-test"))
     except OSError as e:
         sys.exit(f"error: cannot write to --out {out}: {e.strerror}")
+    for name in ("metrics.json", "model.pt", "curves.png"):
+        remove_leftovers(os.path.join(out, name))
+
+def sync(path):
+    """Push a file's or a folder's contents from the page cache to the disk (a rename is durable
+    only once its folder is synced). Where folders cannot be opened (Windows), nothing."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 def save_atomically(write, path):
-    """write(tmp_path), then rename: a crash mid-write leaves the previous file intact."""
+    """write(tmp_path), then rename: a crash mid-write leaves the previous file intact, and after a
+    power loss or a node's crash the file is the old one or the new one, never an empty one (the
+    new bytes are on disk before the rename, and the rename before this returns)."""
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
+    sync(tmp)
     os.replace(tmp, path)
+    sync(os.path.dirname(os.path.abspath(path)))
+
+def remove_leftovers(path):
+    """Delete the `path.tmp<pid>` files that writers killed mid-write left, unless that process
+    still runs (a run started beside this one, writing)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        pid = entry[len(name) + 4:] if entry.startswith(name + ".tmp") else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
 
 def write_outputs(out, metrics, state_dict):
     """metrics.json, curves.png (loss and accuracy per epoch) and model.pt (CPU tensors)."""

@@ -36,9 +36,11 @@ def save_checkpoint(path, arch, net, optimizer, position, history, device):
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
 def load_checkpoint(path, arch, net, optimizer, device, master):
-    """Rank 0 alone decides: it reads the file and checks it by loading it, then sends it to
-    every rank, so that ranks on nodes that do not see the file (node-local disks) go on from the
-    same step. Returns the checkpoint, or None when there is none; errors exit, said once."""
+    """Rank 0 alone decides: it reads the file and checks it by loading it, then sends the rest of
+    it to every rank, so that ranks on nodes that do not see the file (node-local disks) go on
+    from the same step. The weights are not sent here: the DDP wrap, after this, broadcasts rank
+    0's weights and buffers to every rank anyway. Returns the checkpoint, or None when there is
+    none; errors exit, said once."""
     state = [None]
     if master and not os.path.exists(path):
         print(f"no checkpoint at {path}: training starts from step 0", flush=True)
@@ -53,14 +55,14 @@ def load_checkpoint(path, arch, net, optimizer, device, master):
             missing = {"epoch", "batch_in_epoch", "step", "totals", "seconds", "drawn_from"} - state[0].keys()
             if missing:
                 raise ValueError(f"it lacks the run's position ({', '.join(sorted(missing))})")
+            del state[0]["model"]   # in net now; the wrap sends it on
         except Exception as e:   # a foreign pickle can raise anything; say which file and why
             reason = " ".join(str(e).split())   # e.g. which keys are missing or unexpected
             state[0] = f"error: cannot resume from {path}: {reason[:400]}{'...' if len(reason) > 400 else ''}"
-    dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint, or its verdict, to all
+    dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint but its weights, or its verdict, to all
     if isinstance(state[0], str):
         raise SystemExit(state[0] if master else 1)
     if state[0] and not master:
-        net.load_state_dict(state[0]["model"])
         optimizer.load_state_dict(state[0]["optimizer"])
     if state[0]:
         common.restore_rng(state[0], device)

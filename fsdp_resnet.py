@@ -49,8 +49,10 @@ def save_checkpoint(path, arch, model, optimizer, position, history, rank, devic
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
         torch.save({"arch": arch, **position, "history": history, **common.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
+        common.sync(os.path.join(done + ".tmp", "progress.pt"))   # DCP syncs its own files
         shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
         os.replace(done + ".tmp", done)
+        common.sync(path)   # the rename on disk before the older ones go
         for name in os.listdir(path):
             if re.fullmatch(r"step-\d+(\.tmp)?", name) and name != os.path.basename(done):
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)

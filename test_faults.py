@@ -320,6 +320,27 @@ def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
 
 
+def test_writes_reach_the_disk_before_the_rename_and_leftovers_of_killed_writers_go(tmp_path, monkeypatch):
+    """save_atomically syncs the new file, renames, then syncs the folder (the rename itself is
+    durable only then). A run removes the .tmp<pid> files of writers that no longer run, and
+    keeps those of a live one."""
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    target = tmp_path / "checkpoint.pt"
+    common.save_atomically(lambda tmp: torch.save({"step": 1}, tmp), str(target))
+    assert synced == [f"{target}.tmp{os.getpid()}", str(tmp_path)] and torch.load(target) == {"step": 1}
+    monkeypatch.undo()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)   # a pid that ran and ended
+    out = tmp_path / "out"
+    out.mkdir()
+    leftovers = [out / f"checkpoint.pt.tmp{dead}", out / f"metrics.json.tmp{dead}", out / f"model.pt.tmp{os.getpid()}"]
+    for path in leftovers:
+        path.write_bytes(b"cut short")
+    assert_ok(run(["python", "ddp_resnet.py", "--out", str(out)] + RESNET + ["--max-steps", "1"], env=ONE_THREAD))
+    assert [path.exists() for path in leftovers] == [False, False, True]   # this test's own process still runs
+
+
 @pytest.mark.parametrize("bad", ["not-a-checkpoint", "another-model"])
 def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
     checkpoint = tmp_path / "checkpoint.pt"
@@ -332,7 +353,9 @@ def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--resume", "--checkpoint",
                   str(checkpoint), "--out", str(tmp_path)] + RESNET)
     assert result.returncode != 0
-    assert result.stderr.count(expected) == 1, result.stderr[-3000:]   # rank 0 alone says it
+    ranks_said, torchrun_said = result.stderr.split("ChildFailedError", 1)
+    assert ranks_said.count(expected) == 1, result.stderr[-3000:]   # rank 0 alone says it
+    assert expected in torchrun_said.split("Root Cause")[1]   # and torchrun names it, from rank 0's error file
     assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)   # torchrun's own report aside, no traceback
 
 
