@@ -8,7 +8,7 @@ group.WORLD as a default argument when first imported. DDP imports it (through t
 after init_process_group, that default would keep the group and its threads alive past
 destroy_process_group, running while the interpreter shuts down, which is when finished ranks
 were seen to abort at random."""
-import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, os, shutil, signal, socket, struct, sys, threading, time, types, zlib
+import argparse, atexit, contextlib, ctypes, datetime, gzip, io, json, math, multiprocessing, os, shutil, signal, socket, struct, sys, threading, time, types, zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  (before any group exists: see the top)
@@ -387,26 +387,31 @@ def leave_stop_signals_to_the_rank(worker_id):
     """DataLoader workers ignore SIGTERM and SIGUSR1. SLURM signals every process of a job, the
     workers too, and a worker killed by it makes its rank raise "DataLoader worker is killed by
     signal" mid-step instead of stopping at the agreed step boundary. The rank's own handler
-    decides, and the rank stops its workers itself (stop_workers)."""
+    decides, and the rank ends its workers itself when it exits (end_workers_at_exit)."""
     for name in ("SIGTERM", "SIGUSR1"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
-def stop_workers(iterator):
-    """Shut a DataLoader iterator's workers down now, the way torch does when it is done with
-    them. Left to the interpreter's exit, multiprocessing would end them with SIGTERM, which they
-    ignore, and wait for them for ever."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)   # absent without workers
-    if shutdown:
-        shutdown()
+def end_workers_at_exit():
+    """At the interpreter's exit, multiprocessing ends its daemonic children (DataLoader workers
+    are) with SIGTERM and waits for them: ours ignore SIGTERM, and the wait would last for ever
+    (seen: a rank that met a truncated image hung). End them with SIGKILL first, however the run
+    ends (done, stopped, failed); atexit runs this before multiprocessing's own handler, which
+    was registered earlier."""
+    def kill_daemonic_children():
+        if hasattr(signal, "SIGCHLD"):   # DataLoader's SIGCHLD handler would report these kills as failures
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+    atexit.register(kill_daemonic_children)
 
 def from_workers(iterator):
     """A DataLoader iterator's batches; an image a worker could not read ends the run with its
-    one line, the workers stopped first."""
+    one line."""
     try:
         yield from iterator
     except UnreadableImage as e:   # from a worker, with its traceback as text
-        stop_workers(iterator)
         raise SystemExit(e.line()) from None
 
 class FolderBatches:
@@ -420,16 +425,14 @@ class FolderBatches:
                                                   worker_init_fn=leave_stop_signals_to_the_rank)
         self.global_batch, self.num_samples = global_batch, len(dataset)
         self.device, self.memory_format = device, memory_format
-        self.iterator = None   # the workers' (kept across epochs)
-        atexit.register(lambda: stop_workers(self.iterator))   # however the run ends: done, stopped, failed
+        end_workers_at_exit()
 
     def __len__(self):
         return self.num_samples // self.global_batch
 
     def epoch(self, epoch, start, stop):
         self.sampler.set_epoch(epoch, start, stop)
-        self.iterator = iter(self.loader)
-        for X, y in from_workers(self.iterator):
+        for X, y in from_workers(iter(self.loader)):   # the same workers every epoch (persistent)
             yield (X.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format),
                    y.to(self.device, non_blocking=True))
 
@@ -640,20 +643,9 @@ class SentBytes:
     ring allreduce of n bytes over W ranks sends 2 (W-1)/W n from each rank, a reduce-scatter of
     n bytes (W-1)/W n, an all-gather of shards of s bytes (W-1) s."""
     def __init__(self):
-        self.counts, self.each_step, self.counting = {}, {}, True   # each_step: bytes known to go every step
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Not counted: what is sent outside the training steps (an evaluation's all-gathers)."""
-        self.counting = False
-        try:
-            yield
-        finally:
-            self.counting = True
+        self.counts, self.each_step = {}, {}   # each_step: bytes known to go every step
 
     def add(self, collective, group, *tensors):
-        if not self.counting:
-            return
         key = f"{collective} ({group})"
         self.counts[key] = self.counts.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -686,33 +678,32 @@ class SentBytes:
         return sent
 
     @classmethod
-    def of_fsdp(cls, model, mesh):
-        """Count what FSDP2 sends, through its own places for that: the all-gather and the
-        reduce-scatter of every sharded module (set_custom_*: PyTorch's default collectives,
-        counted), and on a 2-D mesh (HSDP) the all-reduce of the reduce-scattered gradient
-        across the replicas (set_all_reduce_hook: it is handed the tensor just all-reduced)."""
+    def of_fsdp(cls, model, mesh, gathered_as):
+        """What FSDP2 sends per step, from the sizes of the sharded parameters (its collectives
+        run inside FSDP, where no public API counts them; a test checks these sums against what
+        torch.distributed is handed). For every sharded module (a unit), each rank hands its
+        shard of the unit's parameters, dim 0 padded to a multiple of the shard group, to an
+        all-gather before forward and again before backward (the root unit's stay gathered in
+        between), in `gathered_as(unit)`'s dtype; the unit's whole padded gradient (fp32) to a
+        reduce-scatter; and on a 2-D mesh (HSDP) its shard of that sum to an all-reduce across
+        the replicas."""
         from torch.distributed.fsdp import FSDPModule
-        # the defaults that FSDP2 uses itself (a private module of torch 2.14), with a count added
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-        sent = cls()
-        dims = mesh.mesh_dim_names or ("shard",)
-        name = {mesh.get_group(d).group_name: f"{d} group of {mesh.size(i)}" if mesh.ndim > 1 else f"{mesh.size()} ranks"
-                for i, d in enumerate(dims)}
-        class AllGather(DefaultAllGather):
-            def __call__(self, output_tensor, input_tensor, group, *args, **kwargs):
-                sent.add("all_gather", name[group.group_name], input_tensor)
-                return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
-        class ReduceScatter(DefaultReduceScatter):
-            def __call__(self, output_tensor, input_tensor, group, *args, **kwargs):
-                sent.add("reduce_scatter", name[group.group_name], input_tensor)
-                return super().__call__(output_tensor, input_tensor, group, *args, **kwargs)
-        replicas = f"replicate group of {mesh.size(0)}"
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(AllGather())
-                module.set_custom_reduce_scatter(ReduceScatter())
-                if mesh.ndim > 1:
-                    module.set_all_reduce_hook(lambda reduced: sent.add("all_reduce", replicas, reduced))
+        sent, shards = cls(), mesh.size(mesh.ndim - 1)
+        group = (lambda dim: f"{dim} group of {mesh.size(['replicate', 'shard'].index(dim))}") if mesh.ndim > 1 else (
+            lambda dim: f"{shards} ranks")
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        def add(collective, dim, nbytes):
+            key = f"{collective} ({group(dim)})"
+            sent.each_step[key] = sent.each_step.get(key, 0) + nbytes
+        for unit in units:
+            below = {id(p) for other in units if other is not unit and any(other is m for m in unit.modules())
+                     for p in other.parameters()}   # those of the units inside this one
+            shard = sum(math.ceil(p.shape[0] / shards) * math.prod(p.shape[1:])
+                        for p in unit.parameters() if id(p) not in below)   # elements, padded
+            add("all_gather", "shard", (1 if unit is model else 2) * shard * gathered_as(unit).itemsize)
+            add("reduce_scatter", "shard", shards * shard * 4)
+            if mesh.ndim > 1:
+                add("all_reduce", "replicate", shard * 4)
         return sent
 
     def record(self, metrics, steps):

@@ -130,6 +130,10 @@ def device_mesh(device, world_size, processes_here, hsdp):
     return init_device_mesh(device.type, (world_size // processes_here, processes_here),   # rows: nodes (torchrun
                             mesh_dim_names=("replicate", "shard"))                       # numbers a node's ranks in a row)
 
+def parameter_dtype(unit, amp):
+    """The dtype `shard` gathers a unit's parameters in: bf16 with --amp, but BatchNorm's fp32."""
+    return torch.bfloat16 if amp and not isinstance(unit, torch.nn.BatchNorm2d) else torch.float32
+
 def shard(net, mesh, amp):
     """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
     are gathered just before it runs and freed after, so at most one stage is ever whole. A model
@@ -171,7 +175,7 @@ def train(args):
     net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
     mesh = device_mesh(device, world_size, processes_here, args.hsdp)
     model = shard(net, mesh, args.amp)
-    sent = common.SentBytes.of_fsdp(model, mesh)   # what the shards' collectives are handed, counted
+    sent = common.SentBytes.of_fsdp(model, mesh, gathered_as=lambda unit: parameter_dtype(unit, args.amp))
     lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
     optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
     steps_per_epoch = len(data.train)
@@ -230,8 +234,7 @@ def train(args):
         dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
         common.broadcast_buffers(model)   # FSDP: BatchNorm statistics: rank 0's, those model.pt holds
         model.eval()
-        with sent.paused():   # FSDP: every rank the same number of forwards (each gathers weights)
-            test_acc = data.evaluate(model)
+        test_acc = data.evaluate(model)   # FSDP: every rank the same number of forwards (each gathers weights)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if last < batches:
             break

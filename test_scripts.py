@@ -498,6 +498,17 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     assert RESNET_BYTES / nproc < sent[f"all_gather ({nproc} ranks)"] <= 2 * RESNET_BYTES / nproc * 1.01
 
 
+@pytest.mark.parametrize("nproc, mesh", [(2, "flat"), (3, "flat"), (4, "hsdp")])
+def test_fsdp_bytes_computed_from_the_shards_are_what_torch_distributed_is_handed(nproc, mesh):
+    """fsdp_resnet.py counts what FSDP2 sends from the shards' sizes (public APIs only); one
+    step's all-gathers, reduce-scatters and (HSDP, 2 x 2) all-reduces, counted where
+    torch.distributed is called, are those bytes exactly, in fp32 and with --amp."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "torchrun_checks.py", "fsdp-sent", mesh],
+                 env=ONE_THREAD)
+    assert_ok(result)
+    assert "fsdp sent ok" in result.stdout
+
+
 def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):
     """--amp: FSDP's mixed precision (bf16 compute, fp32 gradient reduction): not the fp32 step,
     but the same direction."""

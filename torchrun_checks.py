@@ -1,6 +1,6 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 torchrun_checks.py ring-check` (or overlap-order, fsdp-load CHECKPOINT
-OUT, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT WORK_SECONDS)."""
+OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT WORK_SECONDS)."""
 import os, sys, time
 import torch
 import torch.distributed as dist
@@ -79,6 +79,36 @@ def fsdp_load(checkpoint, out):
     torch.distributed.destroy_process_group()
 
 
+def fsdp_sent(hsdp):
+    """Under torchrun: count what one training step of fsdp_resnet's sharded ResNet hands to
+    torch.distributed's all-gather, reduce-scatter and all-reduce (patched here, in this test
+    process only), and print it beside what SentBytes.of_fsdp computes from the shards' sizes."""
+    rank, world_size = join(60)
+    counted = {}
+    def counting(name, collective):
+        def call(*args, **kwargs):
+            handed = [*args, *kwargs.values()][0 if name == "all_reduce" else 1]   # all_reduce's tensor; the others' input
+            counted[name] = counted.get(name, 0) + handed.numel() * handed.element_size()
+            return collective(*args, **kwargs)
+        return call
+    for name, function in (("all_gather", "all_gather_into_tensor"), ("all_gather", "all_gather_single"),
+                           ("reduce_scatter", "reduce_scatter_tensor"), ("reduce_scatter", "reduce_scatter_single"),
+                           ("all_reduce", "all_reduce")):   # FSDP2 calls the first ones up to torch 2.13
+        if hasattr(dist, function):
+            setattr(dist, function, counting(name, getattr(dist, function)))
+    device = torch.device("cpu")
+    mesh = fsdp_resnet.device_mesh(device, world_size, world_size // 2 if hsdp == "hsdp" else world_size, hsdp == "hsdp")
+    for amp in (False, True):
+        counted.clear()
+        model = fsdp_resnet.shard(common.fashion_resnet18(0), mesh, amp)
+        computed = common.SentBytes.of_fsdp(model, mesh, lambda unit: fsdp_resnet.parameter_dtype(unit, amp)).each_step
+        X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+        torch.nn.functional.cross_entropy(model(X).float(), y).backward()
+        assert counted == {k.split(" ")[0]: v for k, v in computed.items()}, (amp, counted, computed)
+    print("fsdp sent ok", computed, flush=True)
+    dist.destroy_process_group()
+
+
 def threads_left(script, *argv):
     """Run one rank of `script` in this process; print the names of its threads just before it
     destroys the process group, and after the script has returned."""
@@ -106,5 +136,5 @@ def slow_barrier(rendezvous_timeout, work_seconds):
 
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
-              "threads-left": threads_left, "slow-barrier": slow_barrier}
+              "threads-left": threads_left, "slow-barrier": slow_barrier, "fsdp-sent": fsdp_sent}
     checks[sys.argv[1]](*sys.argv[2:])
