@@ -643,9 +643,20 @@ class SentBytes:
     ring allreduce of n bytes over W ranks sends 2 (W-1)/W n from each rank, a reduce-scatter of
     n bytes (W-1)/W n, an all-gather of shards of s bytes (W-1) s."""
     def __init__(self):
-        self.counts, self.each_step = {}, {}   # each_step: bytes known to go every step
+        self.counts, self.each_step, self.counting = {}, {}, True   # each_step: bytes known to go every step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Not counted: what is sent outside the training steps (scratch_ring.py's evaluation)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def add(self, collective, group, *tensors):
+        if not self.counting:
+            return
         key = f"{collective} ({group})"
         self.counts[key] = self.counts.get(key, 0) + sum(t.numel() * t.element_size() for t in tensors)
 
@@ -814,9 +825,11 @@ class Checkpointing:
         if signalled or (self.every and step % self.every == 0 and batch_in_epoch < batches):
             self.save(epoch, batch_in_epoch, step, totals, timer(), batches)
         if signalled:
+            line = (f"stopped by {signalled} at step {step}, checkpoint written; exit status {PREEMPTED} (not finished, "
+                    f"nothing failed): run again with --resume to go on from {self.path}")
             if self.master:
-                print(f"stopped by {signalled} at step {step}; exit status {PREEMPTED} (not finished): "
-                      f"run again with --resume to go on from {self.path}", flush=True)
+                print(line, flush=True)
+            tell_the_launcher(line)   # torchrun counts 75 as a failure: its summary then shows this line
             dist.destroy_process_group()
             raise SystemExit(PREEMPTED)
 

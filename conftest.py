@@ -57,6 +57,12 @@ def load_model(out):
     return torch.load(os.path.join(out, "model.pt"), map_location="cpu")
 
 
+def max_difference(a, b):
+    """The largest difference of any weight or buffer between two state dicts of one model."""
+    assert a.keys() == b.keys()
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
 def assert_same_weights(a, b, tol=1e-5):
     assert a.keys() == b.keys()
     for name in a:

@@ -6,7 +6,7 @@ import common
 import local_slurm
 import simulated_cluster
 from conftest import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
-                      assert_same_weights, load_model, read, run, running, wait_for)
+                      assert_same_weights, load_model, max_difference, read, run, running, wait_for)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
 
@@ -46,13 +46,20 @@ def test_scratch_hierarchical_on_two_simulated_nodes_trains_like_one_device(scra
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
 def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all_reduce_across(tmp_path):
     """fsdp_resnet.py --hsdp on 2 nodes x 2 processes: shards within a node, replicas across;
-    the weights of flat FSDP on the same 4 processes. Counted: the all-gathers and reduce-scatters
+    the weights of flat FSDP on the same 4 processes, within 10 times the difference that the
+    summation order alone makes (DDP against flat FSDP, measured in the same run). Counted: the all-gathers and reduce-scatters
     stay in the node's shard group; across the nodes goes one all-reduce of each rank's half of
     the gradients."""
-    flags = RESNET + ["--batch-size", "16"]
+    flags = RESNET + ["--batch-size", "16", "--lr", "0.002"]   # a rate at which rounding is not amplified
     flat = run(["torchrun", "--standalone", "--nproc_per_node=4", "fsdp_resnet.py", "--out", str(tmp_path / "flat")] +
                flags, env=ONE_THREAD)
     assert_ok(flat)
+    ddp = run(["torchrun", "--standalone", "--nproc_per_node=4", "ddp_resnet.py", "--out", str(tmp_path / "ddp")] +
+              flags, env=ONE_THREAD)
+    assert_ok(ddp)
+    # The floor: DDP and flat FSDP on the same 4 ranks compute the same sums in another order
+    # (allreduce against reduce-scatter); HSDP's order is a third. Measured here, on this CPU.
+    floor = max_difference(load_model(tmp_path / "ddp"), load_model(tmp_path / "flat"))
     port = common.free_port()
     with simulated_cluster.SimulatedCluster(2, rate_mbit=1000) as cluster:
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
@@ -65,7 +72,7 @@ def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all
         for job, (_, err) in zip(jobs, outputs):
             assert job.returncode == 0, err[-3000:]
     assert "parameters sharded 2 ways in each of 2 replicas (HSDP)" in outputs[0][0] + outputs[1][0]
-    assert_same_weights(load_model(tmp_path / "hsdp"), load_model(tmp_path / "flat"))
+    assert max_difference(load_model(tmp_path / "hsdp"), load_model(tmp_path / "flat")) <= 10 * max(floor, 1e-7), floor
     sent = json.load(open(tmp_path / "hsdp" / "metrics.json"))["sent_bytes_by_collective"]
     assert set(sent) == {"all_gather (shard group of 2)", "reduce_scatter (shard group of 2)",
                          "all_reduce (replicate group of 2)"}

@@ -152,7 +152,7 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
         assert "stopped by SIGTERM at step" in text and "DataLoader worker" not in text, text[-3000:]
         assert "exitcode  : 75" in text, text[-3000:]
         wait_for(lambda: not any(running(pid) for pid in everyone), 30, "every rank and worker to exit")
-        stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
+        stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
         assert 2 <= stopped_at < 12
     resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags, env=ONE_THREAD)
     assert_ok(resumed)

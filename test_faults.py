@@ -31,7 +31,8 @@ def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_sam
         job.wait(timeout=120)
     text = read(log)
     assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
-    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert "traceback : stopped by SIGTERM at step" in text.split("Root Cause")[1]   # torchrun's summary says why
+    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
     assert 2 <= stopped_at < 6   # inside the first epoch
     resumed = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--resume", "--out",
                    str(tmp_path)] + PREEMPTIBLE)
