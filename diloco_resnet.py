@@ -18,11 +18,11 @@ average of the ranks' SGD updates from the same weights is the update of their a
 (momentum is linear too). That is the lesson's proof, and a test.
 
 Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use
-the shared weights of the last sync. A checkpoint holds the shared weights, the outer momentum and
-every rank's replica with its inner optimizer: a run stopped inside a round resumes in it (at the
-same world size). Lines that exist only because of distribution are tagged `# DiLoCo:`.
+the shared weights of the last sync. A checkpoint holds the shared weights and the outer momentum,
+and a folder beside it every rank's replica with its inner optimizer: a run stopped inside a round
+resumes in it (at the same world size). Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import math, os, time
+import math, os, shutil, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -89,20 +89,41 @@ def on_cpu(state):
         return {k: on_cpu(v) for k, v in state.items()}
     return type(state)(on_cpu(v) for v in state) if isinstance(state, (list, tuple)) else state
 
+def replica_files(path, step):
+    """The folder of the replicas that the checkpoint `path` of step `step` goes with."""
+    return f"{path}.replicas-step{step}"
+
 def save_checkpoint(path, arch, net, optimizer, outer, position, history, device, rank, world_size):
-    """Rank 0 writes one file: the position, the shared weights and outer momentum, and each
-    rank's replica, inner optimizer and random state, gathered (inside a round they differ)."""
+    """Rank 0 writes each rank's replica, inner optimizer and random state (inside a round they
+    differ) to a folder of their own, one file per rank, receiving them one at a time (its memory
+    does not grow with the world size); then the checkpoint file itself: the position, the
+    shared weights and outer momentum, and which folder goes with it. Older folders are deleted
+    only once the new file is in place, so a crash leaves the last complete checkpoint."""
     replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)})
-    replicas = [None] * world_size if rank == 0 else None
-    dist.gather_object(replica, replicas, dst=0)   # DiLoCo: every rank's replica to rank 0
+    folder = replica_files(path, position["step"])
+    for sender in range(world_size):
+        if rank == 0:
+            if sender:
+                received = [None]
+                dist.recv_object_list(received, src=sender)   # DiLoCo: rank `sender`'s replica, alone
+                replica = received[0]
+            os.makedirs(folder, exist_ok=True)
+            common.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
+        elif rank == sender:
+            dist.send_object_list([replica], dst=0)   # DiLoCo: this rank's replica to rank 0
     if rank == 0:
         state = {"arch": arch, "world_size": world_size, **position, "history": history, "outer": outer.state_dict(),
-                 "replicas": replicas}
+                 "replicas": os.path.basename(folder)}
         common.save_atomically(lambda tmp: torch.save(state, tmp), path)
+        prefix = os.path.basename(path) + ".replicas-step"
+        for name in os.listdir(os.path.dirname(os.path.abspath(path))):
+            if name.startswith(prefix) and name != os.path.basename(folder):
+                shutil.rmtree(os.path.join(os.path.dirname(os.path.abspath(path)), name), ignore_errors=True)
 
 def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size):
-    """Rank 0 reads and checks the file, then sends each rank its replica and all the rest.
-    Returns the checkpoint (without replicas), or None when there is none; errors exit, said once."""
+    """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then
+    each rank its replica, one at a time. Returns the checkpoint, or None when there is none;
+    errors exit, said once."""
     state = [None]
     if rank == 0 and not os.path.exists(path):
         print(f"no checkpoint at {path}: training starts from step 0", flush=True)
@@ -114,19 +135,26 @@ def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size)
             if state[0]["world_size"] != world_size:
                 raise ValueError(f"it was written by {state[0]['world_size']} ranks, each with its own replica; "
                                  f"resume with {state[0]['world_size']}")
-            net.load_state_dict(state[0]["replicas"][0]["model"])   # checked here, once
+            folder = os.path.join(os.path.dirname(os.path.abspath(path)), state[0]["replicas"])
+            mine = torch.load(os.path.join(folder, "rank0.pt"), map_location="cpu")
+            net.load_state_dict(mine["model"])   # checked here, once
         except Exception as e:
             state[0] = f"error: cannot resume from {path}: {' '.join(str(e).split())[:400]}"
-    replicas = state[0].pop("replicas") if isinstance(state[0], dict) else [None] * world_size
     dist.broadcast_object_list(state, src=0)   # DiLoCo: the position and shared weights, or the verdict
     if isinstance(state[0], str):
         raise SystemExit(state[0] if rank == 0 else 1)
     if state[0]:
-        mine = [None]
-        dist.scatter_object_list(mine, replicas if rank == 0 else None, src=0)   # DiLoCo: each rank its replica
-        net.load_state_dict(mine[0]["model"])
-        optimizer.load_state_dict(mine[0]["optimizer"])
-        common.restore_rng(mine[0], device)
+        for receiver in range(1, world_size):
+            if rank == 0:   # each rank its replica, one in rank 0's memory at a time
+                theirs = torch.load(os.path.join(folder, f"rank{receiver}.pt"), map_location="cpu")
+                dist.send_object_list([theirs], dst=receiver)   # DiLoCo: rank `receiver`'s replica
+            elif rank == receiver:
+                received = [None]
+                dist.recv_object_list(received, src=0)   # DiLoCo: this rank's replica
+                mine = received[0]
+        net.load_state_dict(mine["model"])
+        optimizer.load_state_dict(mine["optimizer"])
+        common.restore_rng(mine, device)
         outer.load_state_dict(state[0]["outer"])
     return state[0]
 

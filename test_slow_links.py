@@ -40,7 +40,8 @@ def test_diloco_resumes_inside_a_round(tmp_path):
     the shared weights of step 4 are evaluated), outer Nesterov momentum: stopped at step 5 (a
     round under way, the replicas apart), resumed to step 12, it ends with the uninterrupted
     run's weights and accuracies. The stopped run's model.pt is the shared weights of step 4, and
-    it says so."""
+    it says so. Each rank's replica is a file of its own beside the checkpoint; only the newest
+    checkpoint's are kept."""
     # no --checkpoint-every: a DiLoCo checkpoint holds every rank's replica; the stop writes one
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "4"] + TWO_EPOCHS
     whole = run(torchrun + ["--out", str(tmp_path / "whole")], env=ONE_THREAD)
@@ -48,8 +49,11 @@ def test_diloco_resumes_inside_a_round(tmp_path):
     assert_ok(whole)
     assert_ok(stopped)
     assert "model.pt holds the shared weights of the last sync (step 4)" in stopped.stdout
+    replicas = lambda: sorted(str(p.relative_to(tmp_path / "parts")) for p in (tmp_path / "parts").glob("checkpoint.pt.*/*"))
+    assert replicas() == ["checkpoint.pt.replicas-step5/rank0.pt", "checkpoint.pt.replicas-step5/rank1.pt"]
     resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
     assert_ok(resumed)
+    assert replicas() == ["checkpoint.pt.replicas-step12/rank0.pt", "checkpoint.pt.replicas-step12/rank1.pt"]
     assert "resumed from" in resumed.stdout and "batch 5/6, step 5" in resumed.stdout
     assert_same_weights(load_model(tmp_path / "parts"), load_model(tmp_path / "whole"), tol=1e-6)
     for parts, whole in zip(metrics(tmp_path / "parts")["epochs"], metrics(tmp_path / "whole")["epochs"]):
