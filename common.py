@@ -742,31 +742,34 @@ class StopRequest:
     at once ends the rank with its line when the ranks have not agreed to stop within a grace of
     10 s plus three of the longest steps so far."""
     def __init__(self, checkpoint=None):
-        self.signal, self.pending, self.answer, self.watching = 0, None, None, True
-        self.longest_step, self.boundary = 0.0, time.monotonic()
+        self.signal, self.pending, self.answer, self.watching, self.wake = 0, None, None, True, None
+        self.longest_step, self.boundary, self.rank = 0.0, time.monotonic(), dist.get_rank()
         self.group = dist.new_group(backend="gloo")
         for name in ("SIGTERM", "SIGUSR1"):
             if hasattr(signal, name):   # Windows has no SIGUSR1
                 signal.signal(getattr(signal, name), self._note)
         if hasattr(signal, "SIGTERM") and os.name == "posix":
-            wake_read, wake_write = os.pipe()   # the C-level handler writes the signal's number here
-            os.set_blocking(wake_write, False)
-            signal.set_wakeup_fd(wake_write)
+            wake_read, self.wake = os.pipe()   # the C-level handler writes the signal's number here
+            os.set_blocking(self.wake, False)
+            signal.set_wakeup_fd(self.wake)
             threading.Thread(target=self._watch, args=(wake_read, checkpoint), daemon=True).start()
 
     def _note(self, signum, frame):
         self.signal = signum
 
     def _watch(self, wake_read, checkpoint):
-        while os.read(wake_read, 1)[0] != signal.SIGTERM:
+        while (byte := os.read(wake_read, 1)) and byte[0] != signal.SIGTERM:
             pass
+        if not byte:   # the write end closed: the run is over
+            os.close(wake_read)
+            return
         grace = 10.0 + 3 * self.longest_step
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if self.answer or not self.watching:
                 return
             time.sleep(0.1)
-        print(f"rank {dist.get_rank()}: stopping: SIGTERM came and the ranks did not agree to stop within "
+        print(f"rank {self.rank}: stopping: SIGTERM came and the ranks did not agree to stop within "
               f"{grace:.0f} s (another rank failed, left or hangs); {where_to_resume(checkpoint)}",
               file=sys.stderr, flush=True)
         os._exit(1)
@@ -791,6 +794,10 @@ class StopRequest:
         let go of the group: the signal handlers keep this object alive, and a group object still
         referenced keeps gloo's threads running past destroy_process_group."""
         self.watching = False
+        if self.wake is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self.wake)   # ends the watching thread
+            self.wake = None
         if self.pending:
             self.pending[0].wait()
         self.pending = self.group = None
