@@ -3,7 +3,7 @@ and what each script hands to collectives per step is counted from the tensors i
 import json
 import pytest
 import common
-from conftest import DATA, ONE_THREAD, TWO_EPOCHS, assert_ok, assert_same_weights, load_model, resnet_reference, run
+from conftest import DATA, ONE_THREAD, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model, resnet_reference, run
 
 RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
 BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.fashion_resnet18(0).buffers())
@@ -19,8 +19,10 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
     momentum, kept per rank) are the update of the averaged gradient: ddp_resnet.py's step (the
     reference, which ddp_resnet.py is tested to take), 3 steps. A small learning rate: DiLoCo
     averages weight differences, rounded at the weights' scale (1e-7), and at --lr 0.05 ResNet's
-    first steps on 8 images per rank amplify that to 3e-4 in 3 steps (2e-5 in 2)."""
-    lr = 0.002
+    first steps on 8 images per rank amplify that to 3e-4 in 3 steps (2e-5 in 2). That rounding
+    is not a summation order, so the measured floor of the other ResNet comparisons does not
+    bound it: a fixed tolerance here."""
+    lr = RESNET_LR
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "diloco_resnet.py", "--local-steps", "1",
                   "--outer-lr", "1", "--outer-momentum", "0", "--lr", str(lr), "--batch-size", str(batch_size),
                   "--train-samples", str(4 * batch_size), "--test-samples", "101", "--max-steps", "3",
@@ -28,7 +30,7 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
     assert_ok(result)
     reference = resnet_reference(nproc, steps=3, lr=lr * batch_size / 256, batch_size=batch_size,
                                  samples=4 * batch_size)
-    assert_same_weights(load_model(tmp_path), reference)
+    assert_same_weights(load_model(tmp_path), reference, tol=1e-5)   # 3.7e-6 measured at 2 ranks (EPYC)
     # every step: the pseudo-gradient (every parameter, fp32) and rank 0's BatchNorm statistics
     assert metrics(tmp_path)["sent_bytes_by_collective"] == {f"all_reduce ({nproc} ranks)": RESNET_BYTES,
                                                              f"broadcast ({nproc} ranks)": BUFFER_BYTES}
