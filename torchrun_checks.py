@@ -1,7 +1,7 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 torchrun_checks.py ring-check` (or overlap-order, fsdp-load CHECKPOINT
 OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT WORK_SECONDS)."""
-import os, sys, time
+import gc, os, sys, time
 import torch
 import torch.distributed as dist
 import common
@@ -98,14 +98,19 @@ def fsdp_sent(hsdp):
             setattr(dist, function, counting(name, getattr(dist, function)))
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size // 2 if hsdp == "hsdp" else world_size, hsdp == "hsdp")
-    for amp in (False, True):
+    def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
         model = fsdp_resnet.shard(common.fashion_resnet18(0), mesh, amp)
         computed = common.SentBytes.of_fsdp(model, mesh, lambda unit: fsdp_resnet.parameter_dtype(unit, amp)).each_step
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
         assert counted == {k.split(" ")[0]: v for k, v in computed.items()}, (amp, counted, computed)
+        return computed
+    for amp in (False, True):
+        computed = one_step(amp)
     print("fsdp sent ok", computed, flush=True)
+    del mesh
+    gc.collect()
     dist.destroy_process_group()
 
 
