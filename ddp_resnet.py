@@ -6,11 +6,12 @@
     torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 --warmup-epochs 2
 
 DIR holds train/ and val/, one subfolder of images per class: DataLoader workers decode and augment
-them (common.load_data); the Fashion-MNIST IDX files are held in memory instead. The learning rate
-is given for 256 samples and scaled with the global batch, warmed up, then decayed (common's
-"large-batch recipe").
+them; the Fashion-MNIST IDX files are held in memory instead. The learning rate is given for 256
+samples and scaled with the global batch, warmed up, then decayed (imagenet_recipe.py). SIGTERM or
+SIGUSR1 stops every rank at the same step with a checkpoint (faults.py); --resume goes on from it.
 
-Lines that exist only because of DDP are tagged `# DDP:`.
+Copy it with common.py, faults.py and imagenet_recipe.py. Lines that exist only because of DDP are
+tagged `# DDP:`.
 
 One warning is silenced, in backward only: DDP compares each gradient's strides with its bucket's,
 those of size-1 dimensions too, which do not change the layout. On GPUs the 1x1 shortcut
@@ -25,14 +26,16 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 import common
+import faults
+import imagenet_recipe
 
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(path, arch, net, optimizer, position, history, device):
     """Everything a restarted job needs to go on exactly where this one was (`position`: see
-    common.Checkpointing). Temp file, then rename: a crash while writing leaves the previous
+    faults.Checkpointing). Temp file, then rename: a crash while writing leaves the previous
     checkpoint usable."""
     state = {"arch": arch, **position, "history": history, "model": net.state_dict(),
-             "optimizer": optimizer.state_dict(), **common.rng_state(device)}
+             "optimizer": optimizer.state_dict(), **faults.rng_state(device)}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
 def load_checkpoint(path, arch, net, optimizer, device, master):
@@ -65,7 +68,7 @@ def load_checkpoint(path, arch, net, optimizer, device, master):
     if state[0] and not master:
         optimizer.load_state_dict(state[0]["optimizer"])
     if state[0]:
-        common.restore_rng(state[0], device)
+        faults.restore_rng(state[0], device)
     return state[0]
 
 # ---------------------------------------------------------------- compressing what is sent
@@ -88,6 +91,21 @@ def comm_hook(args, resumed, master):
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
                                         start_powerSGD_iter=args.powersgd_start)   # error feedback, warm start: on
     return state, powerSGD_hook.powerSGD_hook
+
+def counting(hook, sent, world_size):
+    """`hook`, with the bytes it hands to allreduce added up in `sent` (none in a group of one).
+    A 16-bit hook sends its bucket at 2 bytes an element. PowerSGD counts the elements it sends,
+    its factors and the tensors it leaves uncompressed, in `total_numel_after_compression`; in its
+    plain steps that count stays, and it sends the bucket as it is."""
+    key = f"all_reduce ({world_size} ranks)"
+    def hook_and_count(state, bucket):
+        before = state.total_numel_after_compression if state else 0
+        future = hook(state, bucket)
+        if world_size > 1:
+            elements = (state.total_numel_after_compression - before if state else 0) or bucket.buffer().numel()
+            sent[key] = sent.get(key, 0) + elements * (bucket.buffer().element_size() if state else 2)
+        return future
+    return hook_and_count
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
@@ -123,59 +141,66 @@ def train(args):
     else:
         device = torch.device("cpu")
         common.share_cores(processes_here)
+    # DDP: join the group the way torchrun documents it, with one change: the wait for every rank has a
+    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
+    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     # Fashion-MNIST held on the device, or an image folder read by DataLoader workers; either way
     # the same global batches at any world size, drawn from (seed, epoch).
-    data = common.load_data(args, rank, world_size, device, memory_format, master)
+    data = imagenet_recipe.load_data(args, rank, world_size, device, memory_format, master)
     global_batch = data.train.global_batch
     rank_batch = global_batch // world_size
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into "
                          f"--accum-steps {args.accum_steps} micro-batches" if master else 1)
 
-    net = common.make_model(data.arch, data.classes, args.seed)   # the same seed gives every rank the same weights
+    net = imagenet_recipe.make_model(data.arch, data.classes, args.seed)   # the same seed gives every rank the same weights
     if args.sync_bn and device.type == "cuda":
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
     elif args.sync_bn and master:
         print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU); "
               "going on with per-rank BatchNorm", flush=True)
     net = net.to(device, memory_format=memory_format)
-    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
-    optimizer = torch.optim.SGD(common.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)
+    lr = imagenet_recipe.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)
     steps_per_epoch = len(data.train)
-    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                   steps_per_epoch * args.epochs, args.schedule)
+    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                            steps_per_epoch * args.epochs, args.schedule)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
                                  world_size, data.test_samples)
     drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
+    recipe = imagenet_recipe.recipe_of(args)   # the flags a resume may change (said, applied from there)
     # Where the run is: epoch under way, batches of it done, global step, partial totals and seconds.
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = load_checkpoint(args.checkpoint, data.arch, net, optimizer, device, master) if args.resume else None
     if state:
-        position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
+        position = faults.resume_position(state, drawn_from, recipe, args, steps_per_epoch, master)
         metrics["epochs"] = state["history"]
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # DDP: leave cleanly
             return net
-        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
+        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # DDP: every rank holds the same weights; rank 0 writes them
         if master:
             save_checkpoint(args.checkpoint, data.arch, net, optimizer, here, metrics["epochs"], device)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
-                                       recipe=common.recipe_of(args))   # DDP: all ranks stop at the same step
+    checkpoints = faults.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       recipe)   # DDP: all ranks stop at the same step
     # DDP: wrap after loading; DDP broadcasts rank 0's weights and averages gradients in backward
     # DDP: the wrap. PowerSGD on gloo takes one bucket: it sends its factors from callbacks, and
     # gloo runs several buckets' in different orders on different ranks (a size-mismatch abort).
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
                     bucket_cap_mb=1e6 if one_bucket else None)
+    sent = {}   # the bytes this rank hands to allreduce in this run's steps (metrics.json)
     if args.comm_hook:   # DDP: compression replaces each bucket's allreduce; set before the first backward
-        ddp_model.register_comm_hook(*comm_hook(args, state is not None, master))
-    sent = common.SentBytes.of_ddp(ddp_model, world_size, hooked=bool(args.comm_hook))   # what is sent, counted
+        hook_state, hook = comm_hook(args, state is not None, master)
+        ddp_model.register_comm_hook(hook_state, counting(hook, sent, world_size))   # DDP: the hook, counted
+    elif world_size > 1:   # DDP allreduces every gradient once a step, in its own buckets: their bytes
+        sent_each_step = common.nbytes(*(p for p in net.parameters() if p.requires_grad))
     model = torch.compile(ddp_model) if args.compile else ddp_model
 
     if master:
@@ -204,7 +229,9 @@ def train(args):
             totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             progress(batch_in_epoch)
-            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # DDP: may stop here
+            if checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer):   # DDP: a stop, agreed
+                dist.destroy_process_group()   # DDP: every rank stops after this same step, the checkpoint written
+                raise SystemExit(faults.PREEMPTED)   # 75: not finished, nothing failed; --resume goes on
         seconds = timer()
         if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, batches)
@@ -218,15 +245,17 @@ def train(args):
         checkpoints.epoch_done(epoch, step)
     checkpoints.close()
     if master and metrics["epochs"]:
-        sent.record(metrics, step - position["step"])   # this run's steps
+        steps_here = step - position["step"]
+        common.record_sent(metrics, {k: v / steps_here for k, v in sent.items()} if args.comm_hook else
+                           {f"all_reduce ({world_size} ranks)": sent_each_step} if world_size > 1 else {})
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
     return net
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True, distributed=True, recipe=True)
+    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
+                                                            lr=0.05, resnet=True, distributed=True, folders=True))
     p.add_argument("--accum-steps", type=common.positive_int, default=1,
                    help="split each rank's batch into this many micro-batches (gradient accumulation)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
@@ -254,7 +283,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python ddp_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with faults.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
         return train(args)
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import common
+import faults
 
 def toy_data(n, seed):
     """Points in the plane, labelled by quadrant (XOR): a hidden layer is needed to separate them."""
@@ -46,6 +47,9 @@ def train(args):
     else:
         device = torch.device("cpu")
         common.share_cores(processes_here)
+    # DDP: join the group the way torchrun documents it, with one change: the wait for every rank has a
+    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
+    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
@@ -58,7 +62,8 @@ def train(args):
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = DDP(ToyMLP().to(device))   # DDP: averages the gradients across ranks during backward
-    sent = common.SentBytes.of_ddp(model, world_size)   # the gradients' bytes DDP allreduces per step
+    # DDP allreduces every gradient once per step: those bytes leave each rank (none in a group of one)
+    sent = {f"all_reduce ({world_size} ranks)": common.nbytes(*model.parameters())} if world_size > 1 else {}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
                                  world_size, len(y_test))
@@ -86,7 +91,7 @@ def train(args):
         if step == args.max_steps:
             break
     if master:
-        sent.record(metrics, step)
+        common.record_sent(metrics, sent)
         common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict())
     dist.destroy_process_group()   # DDP: leave cleanly
     return model.module
@@ -101,13 +106,13 @@ def parse_args(argv=None):
 
 def run_rank(local_rank, args):   # DDP: one process of mp.spawn, told its rank as torchrun would tell it
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+    with faults.one_line_per_rank():   # a failed rank, or a lost peer: one line each
         train(args)
 
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
-        with common.one_line_per_rank():
+        with faults.one_line_per_rank():
             return train(args)
     # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
     # pick a free one, so two jobs on one machine never collide.

@@ -20,13 +20,16 @@ average of the ranks' SGD updates from the same weights is the update of their a
 Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use
 the shared weights of the last sync. A checkpoint holds the shared weights and the outer momentum,
 and a folder beside it every rank's replica with its inner optimizer: a run stopped inside a round
-resumes in it (at the same world size). Lines that exist only because of distribution are tagged `# DiLoCo:`.
+resumes in it (at the same world size). Copy it with common.py, faults.py and imagenet_recipe.py.
+Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import math, os, shutil, time
+import collections, math, os, shutil, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import common
+import faults
+import imagenet_recipe
 
 # ---------------------------------------------------------------- the outer step: what makes this DiLoCo
 class Outer:
@@ -41,14 +44,14 @@ class Outer:
         the round's start minus this rank's), averaged, an outer step of the shared weights, and
         every replica set to them; rank 0's BatchNorm statistics for all."""
         pseudo = torch.cat([(start - p.detach()).flatten() for start, p in zip(self.params, net.parameters())])
-        sent.add("all_reduce", f"{world_size} ranks", pseudo)
+        sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
         dist.all_reduce(pseudo)   # DiLoCo: the round's only exchange of weights, H steps' worth
         pseudo /= world_size
         for start, part in zip(self.params, pseudo.split([p.numel() for p in self.params])):
             start.grad = part.view_as(start)
         self.optimizer.step()   # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum
         for buffer in net.buffers():
-            sent.add("broadcast", f"{world_size} ranks", buffer)
+            sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
             dist.broadcast(buffer, src=0)   # DiLoCo: BatchNorm statistics: rank 0's, as ddp_resnet.py keeps
         with torch.no_grad():
             for p, start in zip(net.parameters(), self.params):
@@ -99,7 +102,7 @@ def save_checkpoint(path, arch, net, optimizer, outer, position, history, device
     does not grow with the world size); then the checkpoint file itself: the position, the
     shared weights and outer momentum, and which folder goes with it. Older folders are deleted
     only once the new file is in place, so a crash leaves the last complete checkpoint."""
-    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **common.rng_state(device)})
+    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **faults.rng_state(device)})
     folder = replica_files(path, position["step"])
     for sender in range(world_size):
         if rank == 0:
@@ -154,7 +157,7 @@ def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size)
                 mine = received[0]
         net.load_state_dict(mine["model"])
         optimizer.load_state_dict(mine["optimizer"])
-        common.restore_rng(mine, device)
+        faults.restore_rng(mine, device)
         outer.load_state_dict(state[0]["outer"])
     return state[0]
 
@@ -171,20 +174,23 @@ def train(args):
     else:
         device = torch.device("cpu")
         common.share_cores(processes_here)
+    # DiLoCo: join the group the way torchrun documents it, with one change: the wait for every rank has a
+    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
+    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DiLoCo: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DiLoCo: rank 0 alone prints and writes
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    data = common.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
+    data = imagenet_recipe.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
     global_batch = data.train.global_batch
     rank_batch = global_batch // world_size
 
-    net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
-    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples of the global batch
-    optimizer = torch.optim.SGD(common.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)   # inner, per rank
+    net = imagenet_recipe.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
+    lr = imagenet_recipe.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples of the global batch
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)   # inner, per rank
     steps_per_epoch = len(data.train)
-    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                   steps_per_epoch * args.epochs, args.schedule)
+    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                            steps_per_epoch * args.epochs, args.schedule)
     outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
                                  world_size, data.test_samples)
@@ -193,20 +199,21 @@ def train(args):
     state = (load_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, device, rank, world_size)
              if args.resume else None)
     if state:
-        position = common.resume_position(state, drawn_from, args, steps_per_epoch, master)
+        position = faults.resume_position(state, drawn_from, imagenet_recipe.recipe_of(args), args, steps_per_epoch,
+                                          master)
         metrics["epochs"] = state["history"]
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # DiLoCo: leave cleanly
             return outer.shared_state(net)
-        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
+        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
     final_step = min(args.max_steps or math.inf, last_step)
     def save(here):   # DiLoCo: every rank sends its replica; rank 0 writes
         save_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, here, metrics["epochs"],
                         device, rank, world_size)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
-                                       recipe=common.recipe_of(args))   # DiLoCo: all ranks stop at the same step
-    sent = common.SentBytes()
+    checkpoints = faults.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       imagenet_recipe.recipe_of(args))   # DiLoCo: all ranks stop at the same step
+    sent = collections.Counter()   # the bytes this rank hands to collectives in this run's steps (metrics.json)
     if master:
         print(f"diloco_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
               f"{global_batch} = {world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {global_batch}/256), "
@@ -237,7 +244,9 @@ def train(args):
             if step % args.local_steps == 0 or step == last_step:
                 outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
             progress(batch_in_epoch)
-            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # DiLoCo: may stop here
+            if checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer):   # DiLoCo: a stop, agreed
+                dist.destroy_process_group()   # DiLoCo: every rank stops after this same step, the replicas written
+                raise SystemExit(faults.PREEMPTED)   # 75: not finished, nothing failed; --resume goes on
         seconds = timer()
         if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, batches)
@@ -253,15 +262,15 @@ def train(args):
         if step % args.local_steps and step != last_step:
             print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
                   f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
-        sent.record(metrics, step - position["step"])   # this run's steps
+        common.record_sent(metrics, {k: v / (step - position["step"]) for k, v in sent.items()})   # this run's steps
         common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net))
     dist.destroy_process_group()   # DiLoCo: leave cleanly
     return outer.shared_state(net)
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True, distributed=True, recipe=True)
+    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
+                                                            lr=0.05, resnet=True, distributed=True, folders=True))
     p.add_argument("--local-steps", type=common.positive_int, default=10,
                    help="H: inner steps each rank takes alone between two syncs (1: every step, as DDP)")
     p.add_argument("--outer-lr", type=common.positive_float, default=0.7,
@@ -282,7 +291,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python diloco_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with faults.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
         return train(args)
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Each step DataParallel copies the model from the first GPU to the others, cuts the batch into one
 piece per GPU, runs the pieces in threads of this one process, gathers the outputs on the first
 GPU, and sums the gradients back there. Simple to use; see the README for what it costs.
+Copy it with common.py and imagenet_recipe.py (the model and the learning-rate recipe).
 Lines that exist only because of DataParallel are tagged `# DP:`.
 """
 import math, time
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import common
+import imagenet_recipe
 
 def train_step(model, optimizer, X, y, amp):
     optimizer.zero_grad(set_to_none=True)
@@ -37,12 +39,14 @@ def train(args):
     X_train, y_train, X_test, y_test = (t.to(device) for t in (X_train, y_train, X_test, y_test))
 
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
-    net = common.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
+    net = imagenet_recipe.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
     model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
-    lr = common.scaled_lr(args.lr, args.batch_size)   # --lr is for 256 samples, as in ddp_resnet.py
-    optimizer = torch.optim.SGD(common.param_groups(net, 5e-4), lr=lr, momentum=0.9)   # as ddp_resnet.py
+    lr = imagenet_recipe.scaled_lr(args.lr, args.batch_size)   # --lr is for 256 samples, as in ddp_resnet.py
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, 5e-4), lr=lr, momentum=0.9)   # as ddp_resnet.py
     metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
-    sent = common.SentBytes()   # what DataParallel moves between GPUs per step; with one device, nothing
+    # DP: each step's forward broadcasts the weights from the first GPU; backward sums the gradients there
+    sent = {f"broadcast ({len(gpus)} GPUs)": common.nbytes(*net.parameters(), *net.buffers()),
+            f"reduce_add ({len(gpus)} GPUs)": common.nbytes(*net.parameters())} if len(gpus) > 1 else {}
     print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch {args.batch_size}, "
           f"lr {lr:g} ({args.lr:g} x {args.batch_size}/256), constant", flush=True)
     step, start = 0, time.perf_counter()
@@ -58,9 +62,6 @@ def train(args):
                                         y_train[idx], args.amp)
             totals[:2] += torch.stack([loss_sum, hits.float()])
             totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
-            if len(gpus) > 1:   # DP: the forward broadcast the weights from the first GPU; backward summed the gradients there
-                sent.add("broadcast", f"{len(gpus)} GPUs", *net.parameters(), *net.buffers())
-                sent.add("reduce_add", f"{len(gpus)} GPUs", *net.parameters())
             step += 1
             progress(batch_in_epoch)
             if step == args.max_steps:
@@ -71,7 +72,7 @@ def train(args):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
-    sent.record(metrics, step)
+    common.record_sent(metrics, sent)
     common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
     return net
 

@@ -6,7 +6,8 @@ gradients and optimizer state.
     torchrun --standalone --nproc_per_node=8 fsdp_resnet.py --data-dir DIR --arch resnet50 --workers 8
     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 fsdp_resnet.py --hsdp
 
-Data, model and learning-rate schedule as in ddp_resnet.py (common.load_data, the large-batch recipe).
+Data, model and learning-rate schedule as in ddp_resnet.py (imagenet_recipe.py); stopping and
+resuming too (faults.py). Copy it with common.py, faults.py and imagenet_recipe.py.
 
 The same training as ddp_resnet.py (same batches, same weights after every step), with another
 memory layout. DDP keeps the whole model, its gradients and its optimizer state on every rank and
@@ -25,9 +26,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 import common
+import faults
+import imagenet_recipe
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
 def save_checkpoint(path, arch, model, optimizer, position, history, rank, device):
@@ -47,7 +50,7 @@ def save_checkpoint(path, arch, model, optimizer, position, history, rank, devic
     dist.barrier()   # FSDP: the folder is clean before anyone writes
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")   # FSDP: own shards
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
-        torch.save({"arch": arch, **position, "history": history, **common.rng_state(device)},
+        torch.save({"arch": arch, **position, "history": history, **faults.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
         common.sync(os.path.join(done + ".tmp", "progress.pt"))   # DCP syncs its own files
         shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
@@ -98,7 +101,7 @@ def load_checkpoint(path, arch, model, optimizer, device, rank, world_size):
     dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
-    common.restore_rng(progress, device)
+    faults.restore_rng(progress, device)
     return progress
 
 def full_state_dict(model):
@@ -134,6 +137,31 @@ def parameter_dtype(unit, amp):
     """The dtype `shard` gathers a unit's parameters in: bf16 with --amp, but BatchNorm's fp32."""
     return torch.bfloat16 if amp and not isinstance(unit, torch.nn.BatchNorm2d) else torch.float32
 
+def bytes_sent_per_step(model, mesh, amp):
+    """What FSDP2 hands to collectives per step, from the sizes of the sharded parameters (its
+    collectives run inside FSDP, where no public API counts them; tests/torchrun_checks.py checks
+    these sums against what torch.distributed is handed). For every sharded module (a unit), each
+    rank hands its shard of the unit's parameters, dim 0 padded to a multiple of the shard group,
+    to an all-gather before forward and again before backward (the root's stay gathered between),
+    in parameter_dtype; the unit's whole padded gradient (fp32) to a reduce-scatter; and on a 2-D
+    mesh (HSDP) its shard of that sum to an all-reduce across the replicas."""
+    shards, sent = mesh.size(mesh.ndim - 1), {}
+    names = mesh.mesh_dim_names
+    group = lambda dim: f"{dim} group of {mesh.size(names.index(dim))}" if mesh.ndim > 1 else f"{shards} ranks"
+    def add(collective, dim, nbytes):
+        sent[f"{collective} ({group(dim)})"] = sent.get(f"{collective} ({group(dim)})", 0) + nbytes
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        below = {id(p) for other in units if other is not unit and any(other is m for m in unit.modules())
+                 for p in other.parameters()}   # those of the units inside this one
+        shard = sum(math.ceil(p.shape[0] / shards) * math.prod(p.shape[1:])
+                    for p in unit.parameters() if id(p) not in below)   # elements, padded
+        add("all_gather", "shard", (1 if unit is model else 2) * shard * parameter_dtype(unit, amp).itemsize)
+        add("reduce_scatter", "shard", shards * shard * 4)
+        if mesh.ndim > 1:
+            add("all_reduce", "replicate", shard * 4)
+    return sent
+
 def shard(net, mesh, amp):
     """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
     are gathered just before it runs and freed after, so at most one stage is ever whole. A model
@@ -164,40 +192,43 @@ def train(args):
     else:
         device = torch.device("cpu")
         common.share_cores(processes_here)
+    # FSDP: join the group the way torchrun documents it, with one change: the wait for every rank has a
+    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
+    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # FSDP: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # FSDP: rank 0 alone prints and writes
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    data = common.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
+    data = imagenet_recipe.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
     global_batch = data.train.global_batch
     rank_batch = global_batch // world_size
 
-    net = common.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
+    net = imagenet_recipe.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
     mesh = device_mesh(device, world_size, processes_here, args.hsdp)
     model = shard(net, mesh, args.amp)
-    sent = common.SentBytes.of_fsdp(model, mesh, gathered_as=lambda unit: parameter_dtype(unit, args.amp))
-    lr = common.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
-    optimizer = torch.optim.SGD(common.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
+    lr = imagenet_recipe.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
     steps_per_epoch = len(data.train)
-    scheduler = common.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                   steps_per_epoch * args.epochs, args.schedule)
+    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
+                                            steps_per_epoch * args.epochs, args.schedule)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size,
                                  data.test_samples)
     drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
+    recipe = imagenet_recipe.recipe_of(args)   # the flags a resume may change (said, applied from there)
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     saved = load_checkpoint(args.checkpoint, data.arch, model, optimizer, device, rank, world_size) if args.resume else None
     if saved:
-        position = common.resume_position(saved, drawn_from, args, steps_per_epoch, master)
+        position = faults.resume_position(saved, drawn_from, recipe, args, steps_per_epoch, master)
         metrics["epochs"] = saved["history"]
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # FSDP: leave cleanly
             return None
-        common.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
+        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     def save(here):   # FSDP: every rank writes its own shards
         save_checkpoint(args.checkpoint, data.arch, model, optimizer, here, metrics["epochs"], rank, device)
-    checkpoints = common.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
-                                       recipe=common.recipe_of(args))
+    checkpoints = faults.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
+                                       recipe)   # FSDP: all ranks stop at the same step
     if master:
         print(f"fsdp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
               f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
@@ -227,7 +258,9 @@ def train(args):
             totals[2] += len(y)
             step += 1
             progress(batch_in_epoch)
-            checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer)   # may stop here
+            if checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer):   # FSDP: a stop, agreed
+                dist.destroy_process_group()   # FSDP: every rank stops after this same step, its shards written
+                raise SystemExit(faults.PREEMPTED)   # 75: not finished, nothing failed; --resume goes on
         seconds = timer()
         if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, batches)
@@ -249,15 +282,15 @@ def train(args):
         print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
               f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which "
               f"DDP keeps on every rank)", flush=True)
-        sent.record(metrics, step - position["step"])   # this run's steps
+        common.record_sent(metrics, bytes_sent_per_step(model, mesh, args.amp))
         common.finish(metrics, step, time.perf_counter() - start, state)
     dist.destroy_process_group()   # FSDP: leave cleanly
     return state
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True, distributed=True, recipe=True)
+    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
+                                                            lr=0.05, resnet=True, distributed=True, folders=True))
     p.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's --nproc_per_node), "
                                                        "replicate across nodes: only an all-reduce crosses them")
     p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
@@ -275,7 +308,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python fsdp_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with faults.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
         return train(args)
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # bash run_all.sh         set up what is missing, then a short run of every script and a table
-# bash run_all.sh test    set up what is missing, then the test suite
+# bash run_all.sh test    set up what is missing, then the whole test suite (test_scripts.py and tests/)
+# bash run_all.sh test quick   the same set-up, then test_scripts.py alone: every script's proofs
 # bash run_all.sh bench   set up what is missing, then the side-by-side benchmark (a few minutes)
 set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-smoke}
-case "$mode" in smoke|test|bench) ;; *) echo "usage: bash run_all.sh [test|bench]" >&2; exit 2;; esac
+tier=${2:-}
+case "$mode $tier" in "smoke "|"test "|"test quick"|"bench ") ;; *) echo "usage: bash run_all.sh [test [quick]|bench]" >&2; exit 2;; esac
 
 # --- Python: this one if it has what we need, else .venv from requirements.txt
 modules="torch, torchvision, matplotlib"
@@ -34,7 +36,8 @@ fi
 
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
-  exec "$PY" -m pytest -q --durations=10 test_*.py
+  if [ "$tier" = quick ]; then exec "$PY" -m pytest -q --durations=10 test_scripts.py; fi
+  exec "$PY" -m pytest -q --durations=10 test_scripts.py tests
 elif [ "$mode" = bench ]; then
   exec "$PY" benchmarks/bench.py
 fi
@@ -59,7 +62,7 @@ smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 
 smoke fsdp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_resnet.py $small $resnet
 smoke diloco_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 diloco_resnet.py $small $resnet --local-steps 2
 smoke dp_resnet "$PY" dp_resnet.py $small $resnet
-"$PY" common.py --data-dir data --write-images runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
+"$PY" imagenet_recipe.py --data-dir data --write-images runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
 smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet \
   --data-dir runs/smoke/images --image-size 32 --workers 1
 "$PY" - "${runs[@]}" <<'PYTHON'

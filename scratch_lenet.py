@@ -11,7 +11,7 @@ and the step equals the one a single device takes on the whole batch.
 The next step, several processes (on one machine or many) and a ring allreduce written from
 send/recv, is scratch_ring.py: it imports the pieces below and adds only what processes need.
 """
-import argparse, math, os, sys, time
+import argparse, collections, contextlib, ctypes, math, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,7 @@ def replica_step(X, y, W, forward):
 # for the whole run, so each keeps its OpenMP team.
 REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
 
-SENT = common.SentBytes()   # what each replica hands to the allreduce per step (metrics.json, the closing line)
+SENT = collections.Counter()   # the bytes each replica hands to the allreduce (metrics.json, the closing line)
 
 def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet):
     """One step on the global batch; returns the summed loss and hits."""
@@ -91,7 +91,7 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=l
         for i in range(len(replicas[0])):   # every parameter's gradient, summed over the replicas
             allreduce([W[i].grad for W in replicas])
             if len(replicas) > 1:
-                SENT.add("allreduce in memory", f"{len(replicas)} replicas", replicas[0][i].grad)
+                SENT[f"allreduce in memory ({len(replicas)} replicas)"] += common.nbytes(replicas[0][i].grad)
         for W, V in zip(replicas, velocities):
             sgd(W, V, lr, global_batch)
     return sum(l.to(devices[0]) for l in losses), sum(h.to(devices[0]) for h in hits)
@@ -115,7 +115,7 @@ def train(args, devices):
           f"global batch {args.batch_size}", flush=True)
     total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
-    SENT.counts.clear()
+    SENT.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
@@ -136,7 +136,7 @@ def train(args, devices):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
-    SENT.record(metrics, step)
+    common.record_sent(metrics, {k: v / step for k, v in SENT.items()})   # per step
     common.finish(metrics, step, time.perf_counter() - start,
                   {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas
@@ -162,6 +162,16 @@ def parse_args(argv=None):
         p.error(f"--batch-size {args.batch_size} is smaller than the {args.devices} replicas: each needs a sample")
     return args
 
+def keep_freed_memory():
+    """glibc's malloc hands big freed buffers back to the system, and the next step pays a page
+    fault per 4 KiB to take them again: about a fifth of a LeNet step on CPU. Ask it to keep them,
+    as MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ would. Where there is no glibc, nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
 def main(argv=None):
     if "RANK" in os.environ:   # started by torchrun: that is the next lesson's job
         # One process per machine says so and fails; the others end quietly with 0. (Had they
@@ -177,7 +187,7 @@ def main(argv=None):
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
         common.share_cores(args.devices)
-        common.keep_freed_memory()
+        keep_freed_memory()
     return train(args, devices)
 
 if __name__ == "__main__":

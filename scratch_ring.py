@@ -13,11 +13,12 @@ The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet
 file adds exists only because there are several processes, and lines of the training that exist
 only for that reason are tagged `# RING:`.
 """
-import math, os, sys, threading, time
+import collections, math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import common
+import faults
 from scratch_lenet import (PARAM_NAMES, REPLICA_THREADS, add_lenet_flags, allreduce, get_params, init_params, lenet,
                            replica_step, sgd, split_batch)
 
@@ -36,10 +37,10 @@ def owned_chunk(rank, world_size):
     """The chunk whose full sum the reduce-scatter leaves on process `rank`."""
     return (rank + 1) % world_size
 
-SENT = common.SentBytes()   # the bytes this process hands to send(), per step in metrics.json and the closing line
+SENT = collections.Counter()   # the bytes this process hands to send() in training steps (metrics.json)
 
 def _exchange(send_chunk, recv_buffer, rank, world_size):
-    SENT.add("send", "to the next process", send_chunk)
+    SENT["send (to the next process)"] += common.nbytes(send_chunk)
     # Both directions at once, so no process waits on another. The receive is posted first:
     # gloo starts a send only once the peer has posted its receive, and with the sends first both
     # directions took turns (twice the time of one message on a simulated 100 Mbit/s link).
@@ -182,7 +183,7 @@ def train(args, devices, rank, world_size):
     master = rank == 0   # RING: process 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+    data = faults.fashion_mnist_on_every_node(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
     (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
     if len(y_train) < args.batch_size:
         sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
@@ -215,7 +216,7 @@ def train(args, devices, rank, world_size):
                   f"allreduce does", flush=True)
     total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
-    SENT.counts.clear()
+    SENT.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
@@ -234,15 +235,16 @@ def train(args, devices, rank, world_size):
                 break
         seconds = timer()
         if world_size > 1:
-            with SENT.paused():   # not a training step's
-                ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
+            in_steps = SENT.copy()   # what the totals' exchange sends is not a training step's
+            ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
+            SENT.clear(), SENT.update(in_steps)
         test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0],
                                    rank, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if step == args.max_steps:
             break
     if master:
-        SENT.record(metrics, step)
+        common.record_sent(metrics, {k: v / step for k, v in SENT.items()})   # per step
         common.finish(metrics, step, time.perf_counter() - start,
                       {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
     return replicas
@@ -283,11 +285,14 @@ def main(argv=None):
     else:
         device = torch.device("cpu")
         common.share_cores(processes_here)
+    # RING: join the group the way torchrun documents it, with one change: the wait for every rank has a
+    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
+    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # RING: wait for all ranks
                             rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
     devices = ([torch.device("cuda", device.index + i) for i in range(args.devices)]
                if device.type == "cuda" else [device] * args.devices)
-    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+    with faults.one_line_per_rank():   # a failed rank, or a lost peer: one line each
         try:
             return train(args, devices, rank, world_size)
         finally:

@@ -1,4 +1,4 @@
-"""Hierarchy and overlap, timed on simulated clusters (simulated_cluster.py: one network namespace
+"""Hierarchy and overlap, timed on simulated clusters (examples/simulated_cluster.py: one network namespace
 per node, each with its own link of a chosen rate). Needs root; prints why not otherwise.
 
     python benchmarks/cluster_bench.py            # about 10 minutes on 2 cores
@@ -15,7 +15,7 @@ Writes runs/cluster_bench/results.json and runs/cluster_bench/step_time.png.
 """
 import json, os, subprocess, sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import common, simulated_cluster
 
 OUT = os.path.join(ROOT, "runs", "cluster_bench")

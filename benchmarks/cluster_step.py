@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common, scratch_lenet, scratch_ring
+import imagenet_recipe
 
 
 def timed(variants, args):
@@ -99,7 +100,7 @@ def resnet(args, rank, world_size, results):
         optimizer.step()
     models = {}
     for name, cap_mb in (("ddp", None), ("ddp_one_bucket", 1024)):   # 1 GB: one bucket for all
-        net = common.fashion_resnet18(0)
+        net = imagenet_recipe.fashion_resnet18(0)
         models[name] = (DDP(net) if cap_mb is None else DDP(net, bucket_cap_mb=cap_mb),
                         torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
     model, optimizer = models["ddp"]

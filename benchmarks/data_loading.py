@@ -13,13 +13,14 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import common
+import imagenet_recipe
 
 IMAGES, STEPS, BATCH, REPEATS = 2048, 12, 64, 3
 
 
 def loader_rate(dataset, workers, batch=BATCH):
     """Images per second over one pass (the workers' start-up excluded: they live across epochs)."""
-    sampler = common.RankBatches(len(dataset), batch, seed=0, rank=0, world_size=1)
+    sampler = imagenet_recipe.RankBatches(len(dataset), batch, seed=0, rank=0, world_size=1)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                          persistent_workers=workers > 0)
     for _ in loader:   # the first pass starts the workers
@@ -41,15 +42,15 @@ def training_rate(data_dir, extra, out):
 
 
 def main():
-    print(f"torch {torch.__version__}, {common.cpu_cores()} cores, {time.strftime('%Y-%m-%d')}")
+    print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "images")
-        common.write_images(os.path.join(HERE, "data"), folder, IMAGES, 100)
-        _, train, _ = common.scan_image_folder(folder)
+        imagenet_recipe.write_images(os.path.join(HERE, "data"), folder, IMAGES, 100)
+        _, train, _ = imagenet_recipe.scan_image_folder(folder)
         print(f"\n1. the loader alone ({IMAGES} PNG files, batches of {BATCH}), images/s")
         print(f"{'workers':>8} {'28x28 L, no augmentation':>26} {'224x224 RGB, crop and flip':>28}")
-        small = common.ImageFiles(train, common.image_transforms(28, True, False)[0], "L", 0)
-        large = common.ImageFiles(train, common.image_transforms(224, False, True)[0], "RGB", 0)
+        small = imagenet_recipe.ImageFiles(train, imagenet_recipe.image_transforms(28, True, False)[0], "L", 0)
+        large = imagenet_recipe.ImageFiles(train, imagenet_recipe.image_transforms(224, False, True)[0], "RGB", 0)
         for workers in (0, 1, 2):
             print(f"{workers:>8} {loader_rate(small, workers):>26,.0f} {loader_rate(large, workers):>28,.0f}", flush=True)
 

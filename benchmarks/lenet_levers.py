@@ -35,7 +35,7 @@ def measure(levers, torchvision_root):
     import common, scratch_lenet
     devices = [torch.device("cpu")] * 2
     if levers["threads"]:
-        torch.set_num_threads(max(1, common.cpu_cores() // len(devices)))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // len(devices)))
     else:   # replica_step called in this thread, one replica after the other
         scratch_lenet.REPLICA_THREADS = types.SimpleNamespace(map=map)
     if levers["keep_memory"]:
@@ -80,7 +80,7 @@ def main():
     finally:
         shutil.rmtree(torchvision_root)
     base = statistics.median(rates["d2l original (DataLoader, turns)"])
-    print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {common.cpu_cores()} cores, torch {torch.__version__}; "
+    print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}; "
           f"median of {ROUNDS} rounds of {STEPS} steps; ratios to the d2l original")
     for name, values in rates.items():
         print(f"{name:36} {statistics.median(values):7,.0f} samples/s  {statistics.median(values) / base:5.2f}x   "

@@ -22,7 +22,7 @@ Writes runs/slow_links/results.json.
 """
 import argparse, json, os, subprocess, sys, tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import common, simulated_cluster
 
 OUT = os.path.join(ROOT, "runs", "slow_links")

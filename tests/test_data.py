@@ -4,7 +4,8 @@ import gzip, json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
 import common
-from conftest import DATA, HERE, ONE_THREAD, RESNET_LR, assert_ok, assert_same_weights, children_of, load_model, read, run, running, wait_for
+import imagenet_recipe
+from helpers import DATA, HERE, ONE_THREAD, RESNET_LR, assert_ok, assert_same_weights, children_of, load_model, read, run, running, wait_for
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -14,12 +15,12 @@ FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]  
 def images(tmp_path_factory):
     """Fashion-MNIST's first 96 training and 61 test images as a folder of PNG files."""
     folder = tmp_path_factory.mktemp("images")
-    common.write_images(DATA, str(folder), TRAIN, VAL)
+    imagenet_recipe.write_images(DATA, str(folder), TRAIN, VAL)
     return folder
 
 
 def params_of(weights):   # parameters only: BatchNorm's running statistics are rank 0's shard's
-    names = {name for name, _ in common.fashion_resnet18(0).named_parameters()}
+    names = {name for name, _ in imagenet_recipe.fashion_resnet18(0).named_parameters()}
     return {k: v for k, v in weights.items() if k in names}
 
 
@@ -60,10 +61,10 @@ def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, 
     same images at the same indices. Without augmentation, the DataLoader is only plumbing."""
     idx = tmp_path / "idx"
     idx.mkdir()
-    paths = common._find_files(DATA)
+    paths = common.find_files(DATA)
     for (images_file, labels_file), n, (images_path, labels_path) in zip(
-            common.FILES.values(), (TRAIN, VAL), (paths[:2], paths[2:])):
-        pixels, labels = common._read_idx(images_path, (28, 28))[:n], common._read_idx(labels_path, ())[:n]
+            (common.FILES[:2], common.FILES[2:]), (TRAIN, VAL), (paths[:2], paths[2:])):
+        pixels, labels = common.read_idx(images_path, (28, 28))[:n], common.read_idx(labels_path, ())[:n]
         order = sorted(range(n), key=lambda i: (int(labels[i]), i))
         write_idx(idx / images_file, pixels[order].contiguous())
         write_idx(idx / labels_file, labels[order].contiguous())
@@ -83,9 +84,9 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     """The same picture at different indices, epochs, ranks or workers is cropped differently;
     the same (epoch, index) is cropped alike again, whoever loads it, as after a resume. Loading
     (in the training process with --workers 0) leaves its generators as they were, the GPU's too."""
-    one_file = common.scan_image_folder(str(images))[1][0]
-    train_transform, _ = common.image_transforms(24, one_channel=True, augment=True)
-    same_picture = common.ImageFiles([one_file] * 32, train_transform, "L", seed=0)
+    one_file = imagenet_recipe.scan_image_folder(str(images))[1][0]
+    train_transform, _ = imagenet_recipe.image_transforms(24, one_channel=True, augment=True)
+    same_picture = imagenet_recipe.ImageFiles([one_file] * 32, train_transform, "L", seed=0)
     before, gpu_seeded = torch.get_rng_state(), []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: gpu_seeded.append(seed))
     draw = same_picture[(1, 0)][0]
@@ -94,7 +95,7 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     assert not torch.equal(draw, same_picture[(1, 1)][0]) and not torch.equal(draw, same_picture[(2, 0)][0])
     per_rank = []
     for rank in range(2):
-        sampler = common.RankBatches(32, 16, seed=0, rank=rank, world_size=2)
+        sampler = imagenet_recipe.RankBatches(32, 16, seed=0, rank=rank, world_size=2)
         loader = torch.utils.data.DataLoader(same_picture, batch_sampler=sampler, num_workers=2)
         per_rank.append([X for X, _ in loader])   # worker 0 loads batch 0, worker 1 batch 1
     (rank0_worker0, rank0_worker1), (rank1_worker0, _) = per_rank
@@ -104,15 +105,15 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     sampler.set_epoch(1, start=1)   # a resume at batch 1: the same crops as the uninterrupted epoch's
     resumed = [X for X, _ in torch.utils.data.DataLoader(same_picture, batch_sampler=sampler, num_workers=2)]
     assert len(resumed) == 1 and torch.equal(resumed[0], per_rank[1][1])
-    assert_same_weights(common.make_model("resnet18", 7, 3).state_dict(), common.make_model("resnet18", 7, 3).state_dict(), 0)
+    assert_same_weights(imagenet_recipe.make_model("resnet18", 7, 3).state_dict(), imagenet_recipe.make_model("resnet18", 7, 3).state_dict(), 0)
 
 
 def test_a_subset_of_a_folder_spans_its_classes(images):
     """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48
     (which come from the first five classes)."""
-    _, train, _ = common.scan_image_folder(str(images))
+    _, train, _ = imagenet_recipe.scan_image_folder(str(images))
     assert len({label for _, label in train[:48]}) <= 5
-    subset = common.spread(train, 48)
+    subset = imagenet_recipe.spread(train, 48)
     assert len(subset) == 48 and {label for _, label in subset} == set(range(10))
 
 
@@ -171,11 +172,11 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
     assert "96 training images make 3 global batches of 27 per epoch: 15 are left out of each epoch" in result.stdout
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert metrics["test_samples"] == VAL and metrics["steps"] == 6
-    net = common.fashion_resnet18(0)
+    net = imagenet_recipe.fashion_resnet18(0)
     net.load_state_dict(load_model(tmp_path))
-    _, val_transform = common.image_transforms(28, one_channel=True, augment=False)
-    val = common.ImageFiles(common.scan_image_folder(str(images))[2], val_transform, "L", seed=0)
-    assert metrics["test_acc"] == common.evaluate_folder(net.eval(), val, torch.device("cpu"))
+    _, val_transform = imagenet_recipe.image_transforms(28, one_channel=True, augment=False)
+    val = imagenet_recipe.ImageFiles(imagenet_recipe.scan_image_folder(str(images))[2], val_transform, "L", seed=0)
+    assert metrics["test_acc"] == imagenet_recipe.evaluate_folder(net.eval(), val, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- bad folders

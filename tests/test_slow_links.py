@@ -1,12 +1,16 @@
-"""Training over slow links: DiLoCo is DDP when it syncs every step and resumes inside a round,
-and what each script hands to collectives per step is counted from the tensors it passes."""
+"""Training over slow links: DiLoCo is DDP when it syncs every step and resumes inside a round;
+DDP's compression hooks step the fp32 way, and what they and FSDP hand to collectives is counted
+right."""
 import json
 import pytest
+import torch
 import common
-from conftest import DATA, ONE_THREAD, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model, resnet_reference, run
+import imagenet_recipe
+from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
+                     resnet_reference, resnet_step, run)
 
-RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
-BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.fashion_resnet18(0).buffers())
+RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
+BUFFER_BYTES = sum(b.numel() * b.element_size() for b in imagenet_recipe.fashion_resnet18(0).buffers())
 
 
 def metrics(out):
@@ -63,3 +67,54 @@ def test_diloco_resumes_inside_a_round(tmp_path):
         assert parts["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-6)
     # 12 steps, 3 syncs: a quarter of the pseudo-gradient per step
     assert metrics(tmp_path / "whole")["sent_bytes_by_collective"]["all_reduce (2 ranks)"] == RESNET_BYTES / 4
+
+
+@pytest.mark.parametrize("hook, nproc", [("bf16", 2), ("fp16", 1)])
+def test_16_bit_comm_hooks_step_the_fp32_way(hook, nproc, tmp_path):
+    """PyTorch's bf16/fp16 compression hooks: the reference step up to gradients rounded to 16
+    bits (not exactly it: the hook is in use)."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
+                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)], env=ONE_THREAD)
+    assert_ok(result)
+    step_fp32, step_16 = resnet_step(resnet_reference(nproc, steps=1)), resnet_step(load_model(tmp_path))
+    assert 0 < (step_16 - step_fp32).norm() / step_fp32.norm() < 0.02
+    # counted by the hook's wrapper: every gradient at 2 bytes; a group of one sends nothing
+    assert metrics(tmp_path)["sent_bytes_by_collective"] == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES // 2}
+                                                             if nproc > 1 else {})
+
+
+def test_powersgd_compresses_after_plain_steps_and_a_resume_starts_it_afresh(resnet_tolerance, tmp_path):
+    """--powersgd-start 2: two plain allreduce steps (the reference's), then rank-1 factors
+    (another step). A resume at step 2 starts PowerSGD afresh, says so, and its next two steps
+    are plain again: the reference's 4 steps."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--comm-hook", "powersgd",
+                "--powersgd-rank", "1", "--powersgd-start", "2"] + RESNET
+    whole = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "whole")], env=ONE_THREAD)
+    stopped = run(torchrun + ["--max-steps", "2", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(whole)
+    assert_ok(stopped)
+    assert_same_weights(load_model(tmp_path / "parts"), resnet_reference(2, steps=2), tol=resnet_tolerance)
+    resumed = run(torchrun + ["--max-steps", "4", "--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    assert_ok(resumed)
+    assert "note: PowerSGD starts afresh after a resume: plain allreduce for 2 steps" in resumed.stdout
+    plain = resnet_reference(2, steps=4)
+    assert_same_weights(load_model(tmp_path / "parts"), plain, tol=resnet_tolerance)
+    compressed = resnet_step(load_model(tmp_path / "whole")) - resnet_step(plain)
+    assert compressed.norm() > 1e-3 * resnet_step(plain).norm()   # steps 3 and 4 were compressed
+    # 2 plain steps of every gradient, then 2 of rank-1 factors and the 1-D tensors (PowerSGD's own
+    # count of the elements it sends): a little over half the plain bytes per step; the resumed
+    # run's two steps were plain
+    sent = metrics(tmp_path / "whole")["sent_bytes_per_step"]
+    assert RESNET_BYTES / 2 < sent < 0.55 * RESNET_BYTES, sent
+    assert metrics(tmp_path / "parts")["sent_bytes_per_step"] == RESNET_BYTES
+
+
+@pytest.mark.parametrize("nproc, mesh", [(2, "flat"), (3, "flat"), (4, "hsdp")])
+def test_fsdp_bytes_computed_from_the_shards_are_what_torch_distributed_is_handed(nproc, mesh):
+    """fsdp_resnet.py counts what FSDP2 sends from the shards' sizes (public APIs only); one
+    step's all-gathers, reduce-scatters and (HSDP, 2 x 2) all-reduces, counted where
+    torch.distributed is called, are those bytes exactly, in fp32 and with --amp."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "tests/torchrun_checks.py", "fsdp-sent", mesh],
+                 env=ONE_THREAD)
+    assert_ok(result)
+    assert "fsdp sent ok" in result.stdout

@@ -1,16 +1,17 @@
-"""What the test files share: paths, the small sizes the scripts run at, running a README command,
-comparing weights, and the runs several tests compare against (fixtures, each run once)."""
-import copy, math, os, subprocess, sys, time
+"""What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
+run at, running a README command, comparing weights, and the runs several tests compare against
+(session fixtures, each computed once even where both tiers import it)."""
+import copy, functools, math, os, subprocess, sys, time
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
+sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
 import torch
 import torch.nn.functional as F
 import common
+import imagenet_recipe
+import local_slurm
 import scratch_lenet
 import simulated_cluster
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
-import local_slurm
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 DATA = os.path.join(HERE, "data")
@@ -31,6 +32,20 @@ TWO_EPOCHS = ["--epochs", "2", "--train-samples", "96", "--batch-size", "16", "-
 PREEMPTIBLE = TWO_EPOCHS + ["--checkpoint-every", "2"]
 NO_CLUSTER = simulated_cluster.unavailable()   # None here as root with ip, tc and ethtool
 NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (.ci/run installs them)
+
+
+_computed = {}
+
+
+def once(fixture):
+    """A session fixture, computed once per session: pytest would compute it once for test_scripts.py
+    and again for tests/, which both import it."""
+    @functools.wraps(fixture)
+    def computed_once(*args, **kwargs):
+        if fixture.__name__ not in _computed:
+            _computed[fixture.__name__] = fixture(*args, **kwargs)
+        return _computed[fixture.__name__]
+    return computed_once
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,8 +89,8 @@ def assert_same_weights(a, b, tol=1e-5):
 def resnet_step(weights):
     """The step from ResNet-18's initial weights (seed 0) to `weights`, as one flat vector of its
     parameters: steps that are not equal (bf16, compiled kernels) are compared by direction."""
-    start = common.fashion_resnet18(0).state_dict()
-    names = [name for name, _ in common.fashion_resnet18(0).named_parameters()]
+    start = imagenet_recipe.fashion_resnet18(0).state_dict()
+    names = [name for name, _ in imagenet_recipe.fashion_resnet18(0).named_parameters()]
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
@@ -93,7 +108,7 @@ def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, sa
 
 def _resnet_reference(shards, steps, lr, batch_size, samples):
     X_train, y_train = common.load_fashion_mnist(DATA, samples, 1)["train"]
-    net = common.fashion_resnet18(0)
+    net = imagenet_recipe.fashion_resnet18(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
     # BatchNorm and biases; the cosine of 5 epochs
     decay = [p for p in net.parameters() if p.ndim > 1]
@@ -149,6 +164,7 @@ def running(pid):
 
 
 @pytest.fixture(scope="session")
+@once
 def resnet_tolerance():
     """How far two ResNet runs that compute the same sums in another order may differ, measured on
     this CPU (fitted on one machine, a fixed number failed on another): the 2-shard reference's
@@ -161,6 +177,7 @@ def resnet_tolerance():
 
 # ---------------------------------------------------------------- runs several tests compare against
 @pytest.fixture(scope="session")
+@once
 def scratch_one_replica(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("scratch1"))
     scratch_lenet.main(SMALL + ["--devices", "1", "--max-steps", "6", "--batch-size", "96", "--out", out])
@@ -168,6 +185,7 @@ def scratch_one_replica(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+@once
 def toy_one_rank(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy1")
     result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
@@ -176,6 +194,7 @@ def toy_one_rank(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+@once
 def resnet_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(out)] + PREEMPTIBLE)
@@ -184,6 +203,7 @@ def resnet_uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+@once
 def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     """A checkpoint written at step 2 of 6 in epoch 1 by 2 ranks (global batch 16, seed 0, 96 samples)."""
     out = tmp_path_factory.mktemp("mid_epoch")

@@ -2,7 +2,7 @@
 exist, and the tags that mark distribution-only lines come from the list it gives."""
 import glob, os, re
 import pytest
-from conftest import HERE
+from helpers import HERE
 
 SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet")
 # The tag of each script's distribution-only lines; the README lists the same.
@@ -26,7 +26,7 @@ def readme_commands():
 
 def test_readme_cites_only_tests_that_exist():
     cited = set(re.findall(r"`(test_\w+)`", open(os.path.join(HERE, "README.md")).read()))
-    defined = {name for path in glob.glob(os.path.join(HERE, "test_*.py"))
+    defined = {name for path in glob.glob(os.path.join(HERE, "test_*.py")) + glob.glob(os.path.join(HERE, "tests", "test_*.py"))
                for name in re.findall(r"^def (test_\w+)", open(path).read(), re.M)}
     assert cited and cited <= defined, cited - defined
 

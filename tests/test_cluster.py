@@ -3,12 +3,13 @@ and a real SLURM on this host. Both need root; without it they are skipped with 
 import json, os, shutil, socket, subprocess, sys, time
 import pytest
 import common
+import imagenet_recipe
 import local_slurm
 import simulated_cluster
-from conftest import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
+from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
                       assert_same_weights, load_model, max_difference, read, run, running, wait_for)
 
-RESNET_BYTES = 4 * sum(p.numel() for p in common.fashion_resnet18(0).parameters())   # 44,691,240
+RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- the simulated cluster
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
@@ -16,7 +17,7 @@ def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_p
     """The command line of simulated_cluster.py: two nodes with their own addresses and 1 Gbit/s
     links, one torchrun per node, rendezvous at node 0's address."""
     torchrun = f"{sys.executable} -m torch.distributed.run"
-    result = run(["python", "simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"] + torchrun.split() +
+    result = run(["python", "examples/simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"] + torchrun.split() +
                  ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
                   f"--master-port={common.free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
     assert_ok(result)
@@ -97,7 +98,7 @@ def test_simulated_cluster_killed_with_sigterm_deletes_its_nodes_and_their_proce
     child_pid = tmp_path / "child.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], start_new_session=True); "
               f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
-    job = subprocess.Popen([sys.executable, "simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
+    job = subprocess.Popen([sys.executable, "examples/simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not child_pid.exists() and time.time() < deadline:
@@ -180,3 +181,18 @@ def test_slurm_job_that_asked_for_gpus_and_sees_none_stops_saying_so(tmp_path):
     assert "the job has 2 GPU(s) per node from SLURM, but torch sees 0" in read(log)
     assert "ddp_resnet:" not in read(log) and not (tmp_path / "out").exists()
 
+
+def test_two_nodes_train_like_one_process(resnet_tolerance, tmp_path):
+    endpoint = f"127.0.0.1:{common.free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                               "--rdzv-id=test", "ddp_resnet.py"] + RESNET + ["--out", str(tmp_path / f"n{i}")],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **ONE_THREAD})
+             for i in range(2)]
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    outs = [p for p in (tmp_path / "n0", tmp_path / "n1") if (p / "model.pt").exists()]
+    assert len(outs) == 1   # rank 0 alone writes
+    assert_same_weights(load_model(outs[0]), resnet_reference(2), tol=resnet_tolerance)

@@ -5,10 +5,11 @@ import json, os, re, shutil, signal, subprocess, sys, threading, time
 import pytest
 import torch
 import common
+import imagenet_recipe
 import ddp_resnet
 import ddp_toy
 import fsdp_resnet
-from conftest import (DATA, HERE, OFFLINE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
+from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
                       load_model, read, run, wait_for)
 
 # ---------------------------------------------------------------- preemption and resuming
@@ -115,9 +116,9 @@ def test_a_rank_that_fails_says_why_once_and_its_peer_says_it_stops(script, tmp_
     collective) says another rank failed and where the checkpoint would be, neither shows a
     traceback, and torchrun's summary names rank 1's line as the root cause (its error file)."""
     folder = tmp_path / "images"
-    common.write_images(DATA, str(folder), 32, 20)
-    _, train, _ = common.scan_image_folder(str(folder))
-    first_of_rank_1 = common.rank_shares(len(train), 8, 0, 1, rank=1, world_size=2)[0, 0].item()
+    imagenet_recipe.write_images(DATA, str(folder), 32, 20)
+    _, train, _ = imagenet_recipe.scan_image_folder(str(folder))
+    first_of_rank_1 = imagenet_recipe.rank_shares(len(train), 8, 0, 1, rank=1, world_size=2)[0, 0].item()
     bad = train[first_of_rank_1][0]
     with open(bad, "r+b") as f:
         f.truncate(60)
@@ -294,7 +295,7 @@ def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint
                  env=ONE_THREAD)
     assert_ok(result)
     assert "epoch 1 at batch 2/6, step 2" in result.stdout
-    got, params = load_model(tmp_path), dict(common.fashion_resnet18(0).named_parameters())
+    got, params = load_model(tmp_path), dict(imagenet_recipe.fashion_resnet18(0).named_parameters())
     assert_same_weights({k: got[k] for k in params}, {k: resnet_uninterrupted[k] for k in params})
 
 
@@ -310,7 +311,7 @@ def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     shards = sorted(p.name for p in (tmp_path / "checkpoint" / newest).iterdir() if p.suffix == ".distcp")
     assert len(shards) == 2, shards   # one file per rank
     loaded = tmp_path / "loaded.pt"
-    result = run(["torchrun", "--standalone", "--nproc_per_node=1", "torchrun_checks.py", "fsdp-load",
+    result = run(["torchrun", "--standalone", "--nproc_per_node=1", "tests/torchrun_checks.py", "fsdp-load",
                   str(tmp_path / "checkpoint"), str(loaded)], env=ONE_THREAD)
     assert_ok(result)
     assert_same_weights(torch.load(loaded), load_model(tmp_path), tol=0)
@@ -372,7 +373,7 @@ def test_checkpoint_every_must_be_positive(capsys):
 def test_short_rendezvous_timeout_leaves_collectives_their_own():
     """--init-timeout 2 bounds the rendezvous only: rank 0 then works 6 s (a slow checkpoint)
     while rank 1 waits in a barrier, and both go on."""
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "torchrun_checks.py", "slow-barrier", "2", "6"],
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "slow-barrier", "2", "6"],
                  timeout=120)
     assert_ok(result)
     assert result.stdout.count("barrier passed") == 2

@@ -1,10 +1,13 @@
 """Checks that the tests start under torchrun, one per command:
-`torchrun --nproc_per_node=2 torchrun_checks.py ring-check` (or overlap-order, fsdp-load CHECKPOINT
-OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT WORK_SECONDS)."""
+`torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
+CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT
+WORK_SECONDS), from the repo root."""
 import gc, os, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
 import torch.distributed as dist
 import common
+import imagenet_recipe
 import fsdp_resnet
 import scratch_lenet
 import scratch_ring
@@ -70,8 +73,8 @@ def fsdp_load(checkpoint, out):
     rank, world_size = join(60)
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
-    model = fsdp_resnet.shard(common.fashion_resnet18(1), mesh, amp=False)   # other weights
-    optimizer = torch.optim.SGD(common.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
+    model = fsdp_resnet.shard(imagenet_recipe.fashion_resnet18(1), mesh, amp=False)   # other weights
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
     fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, device, rank, world_size)
     state = fsdp_resnet.full_state_dict(model)
     if rank == 0:
@@ -82,7 +85,7 @@ def fsdp_load(checkpoint, out):
 def fsdp_sent(hsdp):
     """Under torchrun: count what one training step of fsdp_resnet's sharded ResNet hands to
     torch.distributed's all-gather, reduce-scatter and all-reduce (patched here, in this test
-    process only), and print it beside what SentBytes.of_fsdp computes from the shards' sizes."""
+    process only), and print it beside what fsdp_resnet.bytes_sent_per_step computes from the shards' sizes."""
     rank, world_size = join(60)
     counted = {}
     def counting(name, collective):
@@ -100,8 +103,8 @@ def fsdp_sent(hsdp):
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size // 2 if hsdp == "hsdp" else world_size, hsdp == "hsdp")
     def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
-        model = fsdp_resnet.shard(common.fashion_resnet18(0), mesh, amp)
-        computed = common.SentBytes.of_fsdp(model, mesh, lambda unit: fsdp_resnet.parameter_dtype(unit, amp)).each_step
+        model = fsdp_resnet.shard(imagenet_recipe.fashion_resnet18(0), mesh, amp)
+        computed = fsdp_resnet.bytes_sent_per_step(model, mesh, amp)
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
         assert counted == {k.split(" ")[0]: v for k, v in computed.items()}, (amp, counted, computed)
