@@ -36,7 +36,7 @@ def save_checkpoint(path, arch, net, optimizer, position, history, device):
     checkpoint usable."""
     state = {"arch": arch, **position, "history": history, "model": net.state_dict(),
              "optimizer": optimizer.state_dict(), **faults.rng_state(device)}
-    common.save_atomically(lambda tmp: torch.save(state, tmp), path)
+    faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
 def load_checkpoint(path, arch, net, optimizer, device, master):
     """Rank 0 alone decides: it reads the file and checks it by loading it, then sends the rest of
@@ -236,7 +236,8 @@ def train(args):
         if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
-        common.broadcast_buffers(net)   # DDP: BatchNorm statistics: rank 0's, those model.pt holds
+        for buffer in net.buffers():   # BatchNorm statistics: rank 0's, those model.pt holds
+            dist.broadcast(buffer, src=0)   # DDP: each rank's own batches updated its own
         net.eval()
         test_acc = data.evaluate(net)   # DDP: each rank scores its slice; [correct, count] summed
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
@@ -246,9 +247,9 @@ def train(args):
     checkpoints.close()
     if master and metrics["epochs"]:
         steps_here = step - position["step"]
-        common.record_sent(metrics, {k: v / steps_here for k, v in sent.items()} if args.comm_hook else
-                           {f"all_reduce ({world_size} ranks)": sent_each_step} if world_size > 1 else {})
-        common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
+        sent_per_step = ({k: v / steps_here for k, v in sent.items()} if args.comm_hook else
+                         {f"all_reduce ({world_size} ranks)": sent_each_step} if world_size > 1 else {})
+        common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent_per_step)
     dist.destroy_process_group()   # DDP: leave cleanly
     return net
 

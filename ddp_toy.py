@@ -55,7 +55,7 @@ def train(args):
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    rank_batch = common.rank_batch_size(args.batch_size, world_size, args.train_samples, master)
+    rank_batch = faults.rank_batch_size(args.batch_size, world_size, args.train_samples, master)
     X_train, y_train = toy_data(args.train_samples, seed=1)
     X_test, y_test = toy_data(args.test_samples, seed=2)
     loader = train_loader(X_train, y_train, rank_batch, rank, world_size, args.seed)
@@ -91,8 +91,7 @@ def train(args):
         if step == args.max_steps:
             break
     if master:
-        common.record_sent(metrics, sent)
-        common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict())
+        common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict(), sent)
     dist.destroy_process_group()   # DDP: leave cleanly
     return model.module
 

@@ -111,13 +111,13 @@ def save_checkpoint(path, arch, net, optimizer, outer, position, history, device
                 dist.recv_object_list(received, src=sender)   # DiLoCo: rank `sender`'s replica, alone
                 replica = received[0]
             os.makedirs(folder, exist_ok=True)
-            common.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
+            faults.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
         elif rank == sender:
             dist.send_object_list([replica], dst=0)   # DiLoCo: this rank's replica to rank 0
     if rank == 0:
         state = {"arch": arch, "world_size": world_size, **position, "history": history, "outer": outer.state_dict(),
                  "replicas": os.path.basename(folder)}
-        common.save_atomically(lambda tmp: torch.save(state, tmp), path)
+        faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
         prefix = os.path.basename(path) + ".replicas-step"
         for name in os.listdir(os.path.dirname(os.path.abspath(path))):
             if name.startswith(prefix) and name != os.path.basename(folder):
@@ -262,8 +262,8 @@ def train(args):
         if step % args.local_steps and step != last_step:
             print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
                   f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
-        common.record_sent(metrics, {k: v / (step - position["step"]) for k, v in sent.items()})   # this run's steps
-        common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net))
+        common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net),
+                      {k: v / (step - position["step"]) for k, v in sent.items()})   # per step of this run
     dist.destroy_process_group()   # DiLoCo: leave cleanly
     return outer.shared_state(net)
 

@@ -72,8 +72,7 @@ def train(args):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
-    common.record_sent(metrics, sent)
-    common.finish(metrics, step, time.perf_counter() - start, net.state_dict())
+    common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent)
     return net
 
 def parse_args(argv=None):

@@ -1,14 +1,16 @@
 """What a run of many processes does when something goes wrong, so that a user can act on it.
 
 - A rank fails: every rank ends with one line, never a traceback (one_line_per_rank); a problem
-  one node has before training (its data) ends every rank at once, said once (check_together).
-- A preemption signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary, write a checkpoint,
-  and the script exits with PREEMPTED (StopRequest, Checkpointing).
+  one node has before training (its data) ends every rank at once, said once (check_together); a
+  global batch the ranks cannot share is refused (rank_batch_size).
+- A preemption signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary and write a
+  checkpoint (StopRequest, Checkpointing); the script stops there, with exit status PREEMPTED.
+  Checkpoints are written durably (save_atomically).
 - A restart: where the checkpoint goes on from, said in one line, and the random state
   (resume_position, rng_state).
 
-Used by scratch_ring.py and ddp_toy.py (the one-line failures), and by ddp_resnet.py, fsdp_resnet.py
-and diloco_resnet.py (all of it)."""
+Used by scratch_ring.py and ddp_toy.py (the first part), and by ddp_resnet.py, fsdp_resnet.py and
+diloco_resnet.py (all of it)."""
 import contextlib, json, os, signal, socket, sys, threading, time, zlib
 import torch
 import torch.distributed as dist
@@ -83,6 +85,19 @@ def check_together(problem, rank, world_size, same=None):
         print(f"rank {rank}: stopping: rank {first} cannot go on (its line says why)", file=sys.stderr, flush=True)
         raise SystemExit(1)
     raise SystemExit(mine if all(p == mine for p in problems) else f"rank {rank} ({socket.gethostname()}): {mine}")
+
+def rank_batch_size(batch_size, world_size, train_samples, master, what="training samples"):
+    """The global batch divided by the world size (one command line, the same training at any size); a
+    batch the ranks cannot share, or fewer samples than one, refused in one line by rank 0."""
+    rank_batch = batch_size // world_size
+    if rank_batch == 0 or train_samples < rank_batch * world_size:
+        sys.exit((f"error: --batch-size {batch_size} is smaller than the world size {world_size}" if rank_batch == 0 else
+                  f"error: {train_samples} {what} are fewer than one global batch of {rank_batch * world_size}; use "
+                  f"more samples, a smaller batch or fewer ranks") if master else 1)
+    if rank_batch * world_size != batch_size and master:
+        print(f"note: --batch-size {batch_size} does not divide by {world_size} ranks: each takes "
+              f"{rank_batch}, a global batch of {rank_batch * world_size}", flush=True)
+    return rank_batch
 
 def fashion_mnist_on_every_node(data_dir, train_samples, test_samples, rank, world_size):
     """common.load_fashion_mnist in a group: each node's first process prepares the files on its own
@@ -184,7 +199,7 @@ class Checkpointing:
         self.save_fn, self.path, self.every, self.drawn_from, self.recipe = save, path, every, drawn_from, recipe
         self.final_step, self.master, self.stop = final_step, master, StopRequest(path)
         if master:
-            common.remove_leftovers(os.path.dirname(os.path.abspath(path)))
+            remove_leftovers(os.path.dirname(os.path.abspath(path)))
 
     def save(self, epoch, batch_in_epoch, step, totals, seconds, batches):
         partial = totals.clone()
@@ -219,6 +234,35 @@ class Checkpointing:
 
     def close(self):   # at the end of the run, before the group goes
         self.stop.close()
+
+# ---------------------------------------------------------------- checkpoints written durably
+def sync(path):
+    """A file's or folder's contents from the page cache to the disk (a rename is durable only
+    once its folder is synced). Where folders cannot be opened (Windows), nothing."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+def save_atomically(write, path):
+    """write(tmp), sync, rename, sync the folder: after a crash or a power loss the file is the
+    old one or the new one, never a part of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    sync(tmp)
+    os.replace(tmp, path)
+    sync(os.path.dirname(os.path.abspath(path)))
+
+def remove_leftovers(folder):
+    """Delete the `NAME.tmp<pid>` files of writers killed mid-write (save_atomically's), unless that
+    process still runs."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        pid = name.rpartition(".tmp")[2]
+        if ".tmp" in name and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
 
 # ---------------------------------------------------------------- resuming
 def resume_position(saved, drawn_from, recipe, args, steps_per_epoch, master):

@@ -41,7 +41,8 @@ def save_checkpoint(path, arch, model, optimizer, position, history, rank, devic
     `.tmp` folder (ignored) or two complete ones (the newer is loaded)."""
     # BatchNorm statistics are not sharded: DCP writes each such tensor once, from any one rank,
     # so every rank must hold the same ones: rank 0's, those model.pt holds.
-    common.broadcast_buffers(model)   # FSDP: rank 0's BatchNorm statistics on every rank
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics on every rank
     model_state, optimizer_state = get_state_dict(model, optimizer)   # FSDP: sharded (DTensors)
     done = os.path.join(path, f"step-{position['step']:08d}")
     if rank == 0:
@@ -52,10 +53,10 @@ def save_checkpoint(path, arch, model, optimizer, position, history, rank, devic
     if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
         torch.save({"arch": arch, **position, "history": history, **faults.rng_state(device)},
                    os.path.join(done + ".tmp", "progress.pt"))
-        common.sync(os.path.join(done + ".tmp", "progress.pt"))   # DCP syncs its own files
+        faults.sync(os.path.join(done + ".tmp", "progress.pt"))   # DCP syncs its own files
         shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
         os.replace(done + ".tmp", done)
-        common.sync(path)   # the rename on disk before the older ones go
+        faults.sync(path)   # the rename on disk before the older ones go
         for name in os.listdir(path):
             if re.fullmatch(r"step-\d+(\.tmp)?", name) and name != os.path.basename(done):
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
@@ -265,7 +266,8 @@ def train(args):
         if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
             checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
-        common.broadcast_buffers(model)   # FSDP: BatchNorm statistics: rank 0's, those model.pt holds
+        for buffer in model.buffers():   # BatchNorm statistics: rank 0's, those model.pt holds
+            dist.broadcast(buffer, src=0)   # FSDP: BatchNorm buffers are not sharded; each rank updated its own
         model.eval()
         test_acc = data.evaluate(model)   # FSDP: every rank the same number of forwards (each gathers weights)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
@@ -282,8 +284,7 @@ def train(args):
         print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
               f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which "
               f"DDP keeps on every rank)", flush=True)
-        common.record_sent(metrics, bytes_sent_per_step(model, mesh, args.amp))
-        common.finish(metrics, step, time.perf_counter() - start, state)
+        common.finish(metrics, step, time.perf_counter() - start, state, bytes_sent_per_step(model, mesh, args.amp))
     dist.destroy_process_group()   # FSDP: leave cleanly
     return state
 

@@ -334,7 +334,7 @@ def load_data(args, rank, world_size, device, memory_format, master):
     if kind == "fashion-mnist":
         data = faults.fashion_mnist_on_every_node(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
         (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-        rank_batch = common.rank_batch_size(args.batch_size, world_size, len(y_train), master)
+        rank_batch = faults.rank_batch_size(args.batch_size, world_size, len(y_train), master)
         train = MemoryBatches(X_train, y_train, rank_batch * world_size, args.seed, rank, world_size, device,
                               memory_format)
         evaluate_on_test = lambda model: common.evaluate(model, X_test, y_test, device, rank, world_size)
@@ -353,7 +353,7 @@ def load_data(args, rank, world_size, device, memory_format, master):
         size = args.image_size or (28 if one_channel else 224)
         train_transform, val_transform = image_transforms(size, one_channel, augment=not args.no_augment)
         mode = "L" if one_channel else "RGB"
-        rank_batch = common.rank_batch_size(args.batch_size, world_size, len(train_samples), master,
+        rank_batch = faults.rank_batch_size(args.batch_size, world_size, len(train_samples), master,
                                      what=f"images in {args.data_dir}/train")
         train = FolderBatches(ImageFiles(train_samples, train_transform, mode, args.seed),
                               rank_batch * world_size, args.seed, rank, world_size, device, memory_format,

@@ -25,13 +25,14 @@ fi
 echo "== python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 
 # --- Fashion-MNIST in ./data: the folder, torchvision's download, or Debian's package
-if ! "$PY" common.py --data-dir data 2>/dev/null; then
+prepare='import common, sys; sys.exit(common.prepare_fashion_mnist("data"))'
+if ! "$PY" -c "$prepare" 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== installing Debian's dataset-fashion-mnist"
     apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 ||
       { apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; }
   fi
-  "$PY" common.py --data-dir data   # prints what to do if there is still no data
+  "$PY" -c "$prepare"   # prints what to do if there is still no data
 fi
 
 export PYTHONUNBUFFERED=1

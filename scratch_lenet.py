@@ -136,9 +136,8 @@ def train(args, devices):
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
-    common.record_sent(metrics, {k: v / step for k, v in SENT.items()})   # per step
     common.finish(metrics, step, time.perf_counter() - start,
-                  {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
+                  {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])}, {k: v / step for k, v in SENT.items()})
     return replicas
 
 # ---------------------------------------------------------------- command line

@@ -244,9 +244,9 @@ def train(args, devices, rank, world_size):
         if step == args.max_steps:
             break
     if master:
-        common.record_sent(metrics, {k: v / step for k, v in SENT.items()})   # per step
         common.finish(metrics, step, time.perf_counter() - start,
-                      {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])})
+                      {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])},
+                      {k: v / step for k, v in SENT.items()})   # per step
     return replicas
 
 # ---------------------------------------------------------------- command line

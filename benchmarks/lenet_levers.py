@@ -39,7 +39,7 @@ def measure(levers, torchvision_root):
     else:   # replica_step called in this thread, one replica after the other
         scratch_lenet.REPLICA_THREADS = types.SimpleNamespace(map=map)
     if levers["keep_memory"]:
-        common.keep_freed_memory()
+        scratch_lenet.keep_freed_memory()
     if levers["dataloader"]:
         dataset = torchvision.datasets.FashionMNIST(torchvision_root, train=True, transform=transforms.Compose(
             [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]))

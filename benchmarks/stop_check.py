@@ -3,7 +3,7 @@ allreduce of the stop flag after every step (every rank waits a network round tr
 faults.StopRequest (the flag's allreduce started at one step boundary, read at the next).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/stop_check.py
-    python simulated_cluster.py --nodes 2 --rate-mbit 100 -- torchrun --nnodes=2 --nproc_per_node=1 \\
+    python examples/simulated_cluster.py --nodes 2 --rate-mbit 100 -- torchrun --nnodes=2 --nproc_per_node=1 \\
         --node-rank={node} --master-addr={head} --master-port=29500 benchmarks/stop_check.py
 
 The model is a small MLP whose step takes milliseconds, as a GPU step of a larger model does:

@@ -2,7 +2,7 @@
 own network link of a chosen rate, so that multi-node training can be run and timed without a
 cluster. Needs root (or CAP_NET_ADMIN) and the `ip` and `tc` commands; `ethtool` is used too.
 
-    python simulated_cluster.py --nodes 2 --rate-mbit 300 -- \\
+    python examples/simulated_cluster.py --nodes 2 --rate-mbit 300 -- \\
         torchrun --nnodes=2 --nproc_per_node=1 --node-rank={node} --master-addr={head} \\
                  --master-port=29500 ddp_toy.py
 

@@ -5,6 +5,7 @@ import json, os, re, shutil, signal, subprocess, sys, threading, time
 import pytest
 import torch
 import common
+import faults
 import imagenet_recipe
 import ddp_resnet
 import ddp_toy
@@ -329,7 +330,7 @@ def test_writes_reach_the_disk_before_the_rename_and_leftovers_of_killed_writers
     synced = []
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
     target = tmp_path / "checkpoint.pt"
-    common.save_atomically(lambda tmp: torch.save({"step": 1}, tmp), str(target))
+    faults.save_atomically(lambda tmp: torch.save({"step": 1}, tmp), str(target))
     assert synced == [f"{target}.tmp{os.getpid()}", str(tmp_path)] and torch.load(target) == {"step": 1}
     monkeypatch.undo()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

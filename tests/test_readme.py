@@ -9,7 +9,7 @@ SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet"
 TAGS = {"scratch_ring": "RING", "dp_resnet": "DP", "ddp_toy": "DDP", "ddp_resnet": "DDP", "fsdp_resnet": "FSDP",
         "diloco_resnet": "DiLoCo"}
 TAG = re.compile(r"(?<!`)#\s*([A-Z]{2,}[\w ]*?|DiLoCo):\s")   # "# DDP: ..."; not "`# DDP:`" in prose
-COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|broadcast_buffers\(|fully_shard\(|\bDDP\(|"
+COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|fully_shard\(|\bDDP\(|"
                           r"nn\.DataParallel\(|dcp\.(save|load)\(")
 
 def readme_commands():
