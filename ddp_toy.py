@@ -62,7 +62,7 @@ def train(args):
 
     torch.manual_seed(args.seed)   # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = DDP(ToyMLP().to(device))   # DDP: averages the gradients across ranks during backward
-    # DDP allreduces every gradient once per step: those bytes leave each rank (none in a group of one)
+    # the bytes of every gradient, which DDP allreduces once per step (none in a group of one)
     sent = {f"all_reduce ({world_size} ranks)": common.nbytes(*model.parameters())} if world_size > 1 else {}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),

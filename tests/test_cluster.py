@@ -7,7 +7,7 @@ import imagenet_recipe
 import local_slurm
 import simulated_cluster
 from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
-                      assert_same_weights, load_model, max_difference, read, run, running, wait_for)
+                     assert_same_weights, load_model, max_difference, read, resnet_reference, run, running, wait_for)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
 
