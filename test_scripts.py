@@ -392,7 +392,8 @@ def test_zero_or_negative_numbers_are_refused(script, flag, value, capsys):
 
 
 # ---------------------------------------------------------------- each script copied with only what it imports
-SCRIPTS = ("scratch_lenet", "scratch_ring", "ddp_toy", "dp_resnet", "ddp_resnet", "fsdp_resnet", "diloco_resnet")
+SCRIPTS = ("scratch_lenet", "scratch_ring", "ddp_toy", "dp_resnet", "ddp_resnet", "fsdp_resnet", "diloco_resnet",
+           "ft_ddp_resnet")
 
 
 def copy_set(script):
@@ -415,7 +416,8 @@ def copy_set(script):
     ("scratch_lenet", SMALL + ["--max-steps", "2"]), ("scratch_ring", SMALL + ["--max-steps", "2"]),
     ("ddp_toy", ["--world-size", "1", "--epochs", "1", "--train-samples", "200", "--test-samples", "50"]),
     ("dp_resnet", RESNET + ["--max-steps", "1"]), ("ddp_resnet", RESNET + ["--max-steps", "1"]),
-    ("fsdp_resnet", RESNET + ["--max-steps", "1"]), ("diloco_resnet", RESNET + ["--max-steps", "1"])])
+    ("fsdp_resnet", RESNET + ["--max-steps", "1"]), ("diloco_resnet", RESNET + ["--max-steps", "1"]),
+    ("ft_ddp_resnet", RESNET + ["--max-steps", "1", "--micro-batch", "8", "--join"])])
 def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, tmp_path):
     """What a user copies into their job: the script, common.py and the modules its import lines
     name (each named for what it gives). Run from that folder alone, it trains and writes its files."""
@@ -423,9 +425,15 @@ def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, t
     assert "common" in files and set(files) <= set(SCRIPTS) | {"common", "faults", "imagenet_recipe"}, files
     for name in files:
         shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, f"{script}.py", "--out", "out"] + flags, cwd=tmp_path, env={**env, **ONE_THREAD},
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **ONE_THREAD}
+    if flags[-1] == "--join":   # a member of a run: its coordinator first, from the same folder
+        flags = flags + [f"127.0.0.1:{common.free_port()}"]
+        coordinator = subprocess.Popen([sys.executable, f"{script}.py", "--serve", flags[-1]], cwd=tmp_path, env=env,
+                                       stdout=subprocess.DEVNULL)
+    result = subprocess.run([sys.executable, f"{script}.py", "--out", "out"] + flags, cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
+    if flags[-2] == "--join":
+        assert coordinator.wait(timeout=30) == 0   # the run is over: the coordinator ends by itself
     assert_ok(result)
     assert {"metrics.json", "model.pt", "curves.png"} <= set(os.listdir(tmp_path / "out")), result.stdout
 
@@ -486,5 +494,5 @@ def test_what_the_scripts_import_uses_torch_only_through_public_names_and_patche
     properties that call into torch."""
     files = sorted({name for script in SCRIPTS for name in copy_set(script)})
     assert files == ["common", "ddp_resnet", "ddp_toy", "diloco_resnet", "dp_resnet", "faults", "fsdp_resnet",
-                     "imagenet_recipe", "scratch_lenet", "scratch_ring"]
+                     "ft_ddp_resnet", "imagenet_recipe", "scratch_lenet", "scratch_ring"]
     assert [p for name in files for p in torch_problems(os.path.join(HERE, name + ".py"))] == []

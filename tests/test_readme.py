@@ -4,10 +4,11 @@ import glob, os, re
 import pytest
 from helpers import HERE
 
-SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet")
+SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet",
+           "ft_ddp_resnet")
 # The tag of each script's distribution-only lines; the README lists the same.
 TAGS = {"scratch_ring": "RING", "dp_resnet": "DP", "ddp_toy": "DDP", "ddp_resnet": "DDP", "fsdp_resnet": "FSDP",
-        "diloco_resnet": "DiLoCo"}
+        "diloco_resnet": "DiLoCo", "ft_ddp_resnet": "FT"}
 TAG = re.compile(r"(?<!`)#\s*([A-Z]{2,}[\w ]*?|DiLoCo):\s")   # "# DDP: ..."; not "`# DDP:`" in prose
 COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|fully_shard\(|\bDDP\(|"
                           r"nn\.DataParallel\(|dcp\.(save|load)\(")

@@ -1,0 +1,131 @@
+"""What a failure costs: ft_ddp_resnet.py's members going on, against the restart path (torchrun
+--max-restarts of ddp_resnet.py resuming from a --checkpoint-every checkpoint); and what the quorum and
+the commit cost per step when nothing fails, against ddp_resnet.py at the same global batch.
+
+    python benchmarks/ft_recovery.py [--steps 24] [--kill-at 8]
+
+Three processes on this machine (one thread each), ResNet-18 for 28x28 images, 8 images each per
+step. Every step's end is stamped with the time (a wrapper around each script, in this file: the
+scripts print no line per step). Time lost per failure: from the SIGKILL of one process to the
+next step any survivor commits, minus one normal step (the median of the steps before the kill).
+"""
+import argparse, json, os, re, signal, statistics, subprocess, sys, tempfile, time
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+def stamped(kind):
+    """Run as a wrapper: the script, with a line `stamp STEP TIME` at each committed step's end."""
+    if kind == "ft":
+        import ft_ddp_resnet
+        ask = ft_ddp_resnet.Coordinator.ask
+        def stamping(self, message):
+            answer = ask(self, message)
+            if message["op"] == "vote" and answer.get("commit"):
+                print(f"stamp {message['step'] + 1} {time.time():.4f}", flush=True)
+            return answer
+        ft_ddp_resnet.Coordinator.ask = stamping
+        module = ft_ddp_resnet
+    else:
+        import faults, ddp_resnet
+        after_step = faults.Checkpointing.after_step
+        def stamping(self, epoch, batch_in_epoch, batches, step, *args):
+            if os.environ.get("RANK") == "0":
+                print(f"stamp {step} {time.time():.4f}", flush=True)
+            return after_step(self, epoch, batch_in_epoch, batches, step, *args)
+        faults.Checkpointing.after_step = stamping
+        module = ddp_resnet
+    sys.argv = [module.__file__] + sys.argv[3:]
+    module.main()
+
+def stamps(text):
+    return [(int(s), float(t)) for s, t in re.findall(r"^stamp (\d+) ([\d.]+)$", text, re.M)]
+
+def run_ft(out, steps, kill_at):
+    """3 members; with kill_at, one of them is SIGKILLed once the run has committed kill_at steps."""
+    import common
+    address = f"127.0.0.1:{common.free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = ["--train-samples", str(24 * steps), "--test-samples", "10", "--batch-size", "24", "--micro-batch", "8",
+             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", "10"]
+    coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address], cwd=ROOT, env=env,
+                                   stdout=subprocess.DEVNULL)
+    logs = [open(os.path.join(out, f"m{i}.log"), "w+") for i in range(3)]
+    members = [subprocess.Popen([sys.executable, __file__, "stamped", "ft", "--join", address,
+                                 "--out", os.path.join(out, f"m{i}")] + flags, cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+    killed = None
+    while any(m.poll() is None for m in members[:2]):
+        time.sleep(0.01)
+        if kill_at and killed is None and len(stamps(open(logs[0].name).read())) >= kill_at:
+            members[2].kill()
+            killed = time.time()
+    coordinator.kill()
+    return stamps(open(logs[0].name).read()), killed
+
+def run_restart(out, steps, kill_at):
+    """ddp_resnet.py, 3 ranks under torchrun --max-restarts=1, a checkpoint every 4 steps; with kill_at,
+    rank 2 is SIGKILLed once kill_at steps are done, and the job restarts from the checkpoint."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(os.path.join(out, "ddp.log"), "w+")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                            "--max-restarts=1", __file__, "stamped", "ddp", "--train-samples", str(24 * steps),
+                            "--test-samples", "10", "--batch-size", "24", "--epochs", "1", "--lr", "0.002",
+                            "--checkpoint-every", "4", "--resume", "--out", out], cwd=ROOT, env=env, stdout=log,
+                           stderr=subprocess.STDOUT)
+    killed = None
+    while job.poll() is None:
+        time.sleep(0.01)
+        if kill_at and killed is None and len(stamps(open(log.name).read())) >= kill_at:
+            workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == job.pid]
+            os.kill(max(workers), signal.SIGKILL)   # the last worker started: rank 2
+            killed = time.time()
+    return stamps(open(log.name).read()), killed
+
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+def summary(name, marks, killed, kill_at):
+    times = [t for _, t in marks]
+    normal = statistics.median(b - a for a, b in zip(times[1:kill_at], times[2:kill_at + 1]))
+    result = {"normal step s": round(normal, 3)}
+    if killed:   # the first step past the last one done before the kill (a restart recomputes some first)
+        done = max(s for s, t in marks if t <= killed)
+        after = min(t for s, t in marks if t > killed and s > done)
+        result.update(next_commit_after_kill_s=round(after - killed, 3), lost_s=round(after - killed - normal, 3))
+    print(f"  {name:44} " + ", ".join(f"{k} {v}" for k, v in result.items()), flush=True)
+    return result
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "stamped":
+        return stamped(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--kill-at", type=int, default=10)
+    args = p.parse_args()
+    import torch
+    print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
+          f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill after {args.kill_at}", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, run, kill in (("ft_ddp_resnet.py, nothing fails", run_ft, 0),
+                                ("ddp_resnet.py, nothing fails", run_restart, 0),
+                                ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
+                                ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)):
+            folder = tempfile.mkdtemp(dir=out)
+            marks, killed = run(folder, args.steps, kill)
+            results[name] = summary(name, marks, killed, args.kill_at)
+    ft, ddp = results["ft_ddp_resnet.py, nothing fails"], results["ddp_resnet.py, nothing fails"]
+    print(f"per step, nothing failing: ft {ft['normal step s']} s, ddp {ddp['normal step s']} s: "
+          f"{ft['normal step s'] / ddp['normal step s']:.2f}x", flush=True)
+    lost_ft = results["ft_ddp_resnet.py, one member SIGKILLed"]["lost_s"]
+    lost_ddp = results["ddp_resnet.py, one rank SIGKILLed, restart"]["lost_s"]
+    print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: {lost_ddp / max(lost_ft, 1e-3):.1f}x less",
+          flush=True)
+    print(json.dumps(results))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""A member of ft_ddp_resnet.py that dies on purpose at a chosen point, for the tests:
+
+    python tests/ft_member.py WHERE STEP ft_ddp_resnet.py's flags...
+
+WHERE: `backward` (SIGKILL from a gradient hook in the middle of backward), `allreduce` (SIGKILL
+20 ms into the gradients' allreduce), `before-vote` (the allreduce done, the vote not sent: between
+allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's state). STEP: the
+member's STEP-th attempt at a step (0-based), or its first recovery. This file patches the
+script's functions in its own process only."""
+import os, signal, sys, threading
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ft_ddp_resnet
+
+where, at, attempts = sys.argv[1], int(sys.argv[2]), [0]
+
+def die(after=0.0):
+    if after:
+        threading.Timer(after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+compute, exchange, recover, ask = (ft_ddp_resnet.compute, ft_ddp_resnet.exchange, ft_ddp_resnet.recover,
+                                   ft_ddp_resnet.Coordinator.ask)
+
+def compute_then_maybe_die(net, *args, **kwargs):
+    if where == "backward" and attempts[0] == at:
+        net.layer2[0].conv1.weight.register_hook(lambda grad: die())   # reached halfway through backward
+    return compute(net, *args, **kwargs)
+
+def exchange_then_maybe_die(*args, **kwargs):
+    if where == "allreduce" and attempts[0] == at:
+        die(after=0.02)
+    attempts[0] += 1
+    return exchange(*args, **kwargs)
+
+def recover_then_maybe_die(*args, **kwargs):
+    if where == "recovery":
+        die(after=0.02)
+    return recover(*args, **kwargs)
+
+def ask_then_maybe_die(self, message):
+    if where == "before-vote" and message["op"] == "vote" and attempts[0] - 1 == at:
+        die()
+    return ask(self, message)
+
+ft_ddp_resnet.compute, ft_ddp_resnet.exchange = compute_then_maybe_die, exchange_then_maybe_die
+ft_ddp_resnet.recover, ft_ddp_resnet.Coordinator.ask = recover_then_maybe_die, ask_then_maybe_die
+sys.argv = [ft_ddp_resnet.__file__] + sys.argv[3:]
+ft_ddp_resnet.main()
