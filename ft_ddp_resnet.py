@@ -43,7 +43,7 @@ RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "arch", "epoc
 
 # ---------------------------------------------------------------- the coordinator: membership, quorums, commits
 def serve(args):
-    """FT: the membership. Holds the store the process groups meet in, and one connection per member:
+    """The membership. Holds the store the process groups meet in, and one connection per member:
     a member that dies closes it (seen at once), one that hangs stops its heartbeat (dropped after
     --member-timeout). Forms a quorum when every live member asks for one, and decides commits.
     Ends on SIGTERM, or once a member has finished and none is left."""
@@ -55,7 +55,7 @@ def serve(args):
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    members, run, state = {}, None, {"gen": 0, "gen_members": [], "votes": {}, "next_id": 0, "finished": False}
+    members, run, state = {}, None, {"gen": 0, "gen_members": [], "next_id": 0, "finished": False}
 
     def send(member, message):
         try:
@@ -240,7 +240,7 @@ def buffers_of(net):   # BatchNorm's running statistics (its step counters are s
     return [b for name, b in net.named_buffers() if not name.endswith("num_batches_tracked")]
 
 def exchange(net, totals, holds_first):
-    """FT: one allreduce: the gradients (summed), the running statistics of micro-batch 0's holder
+    """One allreduce: the gradients (summed), the running statistics of micro-batch 0's holder
     (every other member sends zeros) and the step's loss sums. Returns the step's [loss, hits,
     samples], or None when the collective failed (a member died or hung)."""
     params = list(net.parameters())
@@ -264,7 +264,7 @@ def state_tensors(net, optimizer):
             [optimizer.state[p]["momentum_buffer"] for p in net.parameters()])
 
 def recover(net, optimizer, progress, src):
-    """FT: live recovery: every member of the new group takes member `src`'s weights, running
+    """Live recovery: every member of the new group takes member `src`'s weights, running
     statistics, momentum and position (it is furthest ahead). Returns the position, or None when
     the collective failed."""
     tensors = state_tensors(net, optimizer)
@@ -303,6 +303,9 @@ def train(args):
     host, port = args.join
     device = torch.device("cpu")   # FT: gloo between CPUs; see the README on GPUs
     common.share_cores(1)
+    if args.arch not in (None, "fashion_resnet18") or imagenet_recipe.data_kind(args.data_dir) == "folder":
+        raise SystemExit("error: ft_ddp_resnet.py trains fashion_resnet18 on Fashion-MNIST held in memory; for an image "
+                         "folder or another --arch, use ddp_resnet.py")
     data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
     if args.batch_size % args.micro_batch:
