@@ -221,7 +221,7 @@ def compute(net, X, y, micro_batch, mine, amp):
     mean-loss gradient divided by the number of micro-batches, summed in .grad. BatchNorm: each
     micro-batch normalised by its own statistics; micro-batch 0 alone moves the running ones.
     Returns [summed loss, hits, samples] of this member's micro-batches."""
-    count, totals = len(y) // micro_batch, torch.zeros(3)
+    count, totals = len(y) // micro_batch, torch.zeros(3, device=X.device)
     norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     for p in net.parameters():
         p.grad = torch.zeros_like(p)   # every member sends a gradient, also one with no micro-batch
@@ -233,7 +233,8 @@ def compute(net, X, y, micro_batch, mine, amp):
             logits = net(X_micro)
             loss = F.cross_entropy(logits, y_micro)
         (loss / count).backward()
-        totals += torch.tensor([loss.item() * len(y_micro), (logits.argmax(1) == y_micro).sum().item(), len(y_micro)])
+        totals[:2] += torch.stack([loss.detach().float() * len(y_micro), (logits.argmax(1) == y_micro).sum().float()])
+        totals[2] += len(y_micro)   # a Python number: no host sync per micro-batch
     return totals
 
 def buffers_of(net):   # BatchNorm's running statistics (its step counters are set from the step: see apply)
@@ -245,7 +246,7 @@ def exchange(net, totals, holds_first):
     samples], or None when the collective failed (a member died or hung)."""
     params = list(net.parameters())
     parts = [p.grad for p in params] + [b.float() if holds_first else torch.zeros_like(b, dtype=torch.float32)
-                                        for b in buffers_of(net)] + [totals.to(params[0].device)]
+                                        for b in buffers_of(net)] + [totals]
     flat = torch.cat([t.flatten() for t in parts])
     try:
         dist.all_reduce(flat)   # FT: on this generation's group

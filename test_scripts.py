@@ -15,8 +15,8 @@ import dp_resnet
 import fsdp_resnet
 import scratch_lenet
 import scratch_ring
-from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     load_model, resnet_reference, resnet_step, run)
+from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, RESNET, SMALL, TOY, assert_ok, assert_same_weights, load_model,
+                     resnet_reference, run)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))

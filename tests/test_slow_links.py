@@ -3,8 +3,6 @@ DDP's compression hooks step the fp32 way, and what they and FSDP hand to collec
 right."""
 import json
 import pytest
-import torch
-import common
 import imagenet_recipe
 from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
