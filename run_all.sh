@@ -11,7 +11,7 @@ case "$mode $tier" in "smoke "|"test "|"test quick"|"bench ") ;; *) echo "usage:
 
 # --- Python: this one if it has what we need, else .venv from requirements.txt
 modules="torch, torchvision, matplotlib"
-[ "$mode" = test ] && modules="$modules, pytest"
+[ "$mode" = test ] && modules="$modules, pytest, xdist"
 PY=${PYTHON:-python3}
 if [ -x .venv/bin/python ] && .venv/bin/python -c "import $modules" 2>/dev/null; then
   PY=.venv/bin/python
@@ -37,8 +37,10 @@ fi
 
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
-  if [ "$tier" = quick ]; then exec "$PY" -m pytest -q --durations=10 test_scripts.py; fi
-  exec "$PY" -m pytest -q --durations=10 test_scripts.py tests
+  # Two tests at a time (pytest-xdist): a third of a test's time its processes wait on each other
+  # (rendezvous, timeouts, SLURM); the tests of several machines take turns on one worker.
+  if [ "$tier" = quick ]; then exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=10 test_scripts.py; fi
+  exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=10 test_scripts.py tests
 elif [ "$mode" = bench ]; then
   exec "$PY" benchmarks/bench.py
 fi

@@ -1,6 +1,7 @@
 """What a failure costs: ft_ddp_resnet.py's members going on, against the restart path (torchrun
---max-restarts of ddp_resnet.py resuming from a --checkpoint-every checkpoint); and what the quorum and
-the commit cost per step when nothing fails, against ddp_resnet.py at the same global batch.
+--max-restarts of ddp_resnet.py resuming from a --checkpoint-every checkpoint) and against torchft
+(PyTorch's fault-tolerance library, if installed: `pip install torchft==0.2.0`); and what the quorum
+and the commit cost per step when nothing fails, against ddp_resnet.py at the same global batch.
 
     python benchmarks/ft_recovery.py [--steps 24] [--kill-at 8]
 
@@ -36,6 +37,42 @@ def stamped(kind):
         module = ddp_resnet
     sys.argv = [module.__file__] + sys.argv[3:]
     module.main()
+
+def torchft_member(lighthouse, replica, steps):
+    """Run as a wrapper: one torchft replica group of one process, the same model, batch and rate as
+    the others here: torchft's Manager over its ProcessGroupGloo, a quorum started before each
+    step, the gradients averaged in one allreduce (torchft's DDP wrapper did not survive a kill on
+    CPU), the optimizer stepped only if should_commit() agrees. A `stamp` line per committed step."""
+    import datetime
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    from torchft import Manager, ProcessGroupGloo
+    import common, imagenet_recipe
+    torch.set_num_threads(1)
+    X, y = common.load_fashion_mnist(os.path.join(ROOT, "data"), 24 * steps, 10)["train"]
+    net = imagenet_recipe.fashion_resnet18(0)
+    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, 5e-4), lr=0.002 * 24 / 256, momentum=0.9)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # this replica group's own
+    timeout = datetime.timedelta(seconds=10)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, timeout=timeout,
+                      load_state_dict=lambda s: (net.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
+                      state_dict=lambda: {"model": net.state_dict(), "optim": optimizer.state_dict()},
+                      replica_id=f"replica{replica}", lighthouse_addr=lighthouse, rank=0, world_size=1,
+                      store_addr="127.0.0.1", store_port=store.port)
+    while manager.current_step() < steps:
+        step = manager.current_step()
+        manager.start_quorum()
+        optimizer.zero_grad()
+        idx = common.epoch_batches(len(y), 24, 0, 1)[step][8 * replica:8 * replica + 8]   # 8 images each
+        F.cross_entropy(net(X[idx]), y[idx]).backward()
+        params = list(net.parameters())
+        flat = torch.cat([p.grad.flatten() for p in params])
+        manager.allreduce(flat).wait()   # averaged over the participants
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+        if manager.should_commit():
+            optimizer.step()
+            print(f"stamp {step + 1} {time.time():.4f}", flush=True)
+    manager.shutdown(wait=False)
 
 def stamps(text):
     return [(int(s), float(t)) for s, t in re.findall(r"^stamp (\d+) ([\d.]+)$", text, re.M)]
@@ -81,6 +118,25 @@ def run_restart(out, steps, kill_at):
             killed = time.time()
     return stamps(open(log.name).read()), killed
 
+def run_torchft(out, steps, kill_at):
+    """3 torchft replica groups of one process and a lighthouse (join timeout 1 s, heartbeat timeout
+    5 s); with kill_at, the third is SIGKILLed once the first has committed kill_at steps."""
+    from torchft.coordination import LighthouseServer
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=5000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [open(os.path.join(out, f"r{i}.log"), "w+") for i in range(3)]
+    members = [subprocess.Popen([sys.executable, __file__, "torchft", lighthouse.address(), str(i), str(steps)],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+    killed = None
+    while any(m.poll() is None for m in members[:2]):
+        time.sleep(0.01)
+        if kill_at and killed is None and len(stamps(open(logs[0].name).read())) >= kill_at:
+            members[2].kill()
+            killed = time.time()
+    members[2].kill()
+    lighthouse.shutdown()
+    return stamps(open(logs[0].name).read()), killed
+
 def _parent(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -102,6 +158,8 @@ def summary(name, marks, killed, kill_at):
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "stamped":
         return stamped(sys.argv[2])
+    if len(sys.argv) > 2 and sys.argv[1] == "torchft":
+        return torchft_member(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--kill-at", type=int, default=10)
@@ -109,12 +167,18 @@ def main():
     import torch
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
           f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill after {args.kill_at}", flush=True)
-    results = {}
+    results, runs = {}, [("ft_ddp_resnet.py, nothing fails", run_ft, 0),
+                         ("ddp_resnet.py, nothing fails", run_restart, 0),
+                         ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
+                         ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)]
+    try:
+        import torchft   # noqa: F401
+        runs += [("torchft 0.2.0, nothing fails", run_torchft, 0),
+                 ("torchft 0.2.0, one replica SIGKILLed", run_torchft, args.kill_at)]
+    except ImportError:
+        print("torchft is not installed (pip install torchft==0.2.0): its rows are left out", flush=True)
     with tempfile.TemporaryDirectory() as out:
-        for name, run, kill in (("ft_ddp_resnet.py, nothing fails", run_ft, 0),
-                                ("ddp_resnet.py, nothing fails", run_restart, 0),
-                                ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
-                                ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)):
+        for name, run, kill in runs:
             folder = tempfile.mkdtemp(dir=out)
             marks, killed = run(folder, args.steps, kill)
             results[name] = summary(name, marks, killed, args.kill_at)
@@ -125,6 +189,9 @@ def main():
     lost_ddp = results["ddp_resnet.py, one rank SIGKILLed, restart"]["lost_s"]
     print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: {lost_ddp / max(lost_ft, 1e-3):.1f}x less",
           flush=True)
+    if "torchft 0.2.0, one replica SIGKILLed" in results:
+        print(f"time lost per failure: ft {lost_ft} s, torchft {results['torchft 0.2.0, one replica SIGKILLed']['lost_s']} s; "
+              f"per step: torchft {results['torchft 0.2.0, nothing fails']['normal step s']} s", flush=True)
     print(json.dumps(results))
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import copy, functools, math, os, subprocess, sys, time
+import copy, fcntl, functools, math, os, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -38,13 +38,25 @@ _computed = {}
 
 
 def once(fixture):
-    """A session fixture, computed once per session: pytest would compute it once for test_scripts.py
-    and again for tests/, which both import it."""
+    """A session fixture, computed once per run: pytest would compute it once for test_scripts.py and
+    again for tests/, which both import it, and once more in each pytest-xdist worker. The first to
+    ask computes it under a lock in the folder all workers of the run share (above each worker's
+    temporary folder, which pytest deletes after a few runs); the others load it. The fixture
+    takes tmp_path_factory."""
     @functools.wraps(fixture)
     def computed_once(*args, **kwargs):
-        if fixture.__name__ not in _computed:
-            _computed[fixture.__name__] = fixture(*args, **kwargs)
-        return _computed[fixture.__name__]
+        name = fixture.__name__
+        if name not in _computed:
+            if "PYTEST_XDIST_WORKER" not in os.environ:
+                _computed[name] = fixture(*args, **kwargs)
+            else:
+                shared = kwargs["tmp_path_factory"].getbasetemp().parent   # pytest-N, above popen-gwK
+                with open(shared / f"{name}.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    if not (shared / f"{name}.pt").exists():
+                        torch.save(fixture(*args, **kwargs), shared / f"{name}.pt")
+                    _computed[name] = torch.load(shared / f"{name}.pt", weights_only=False)
+        return _computed[name]
     return computed_once
 
 
@@ -165,7 +177,7 @@ def running(pid):
 
 @pytest.fixture(scope="session")
 @once
-def resnet_tolerance():
+def resnet_tolerance(tmp_path_factory):
     """How far two ResNet runs that compute the same sums in another order may differ, measured on
     this CPU (fitted on one machine, a fixed number failed on another): the 2-shard reference's
     weights after 2 steps with 1 thread against 2 threads (only the order of sums inside the

@@ -9,6 +9,9 @@ import simulated_cluster
 from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
                      assert_same_weights, load_model, max_difference, read, resnet_reference, run, running, wait_for)
 
+# One at a time, on one pytest-xdist worker: two local SLURMs would share one munged (the first to
+# end stops it).
+pytestmark = pytest.mark.xdist_group("machines")
 RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- the simulated cluster

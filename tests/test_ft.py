@@ -166,6 +166,8 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
 def test_bad_inputs_each_end_with_one_line(tmp_path):
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "2")
+        # the first member to reach the coordinator sets the run's flags: m0, before the one that differs
+        wait_for(lambda: "joined the run" in run.log("m0"), 60, "m0 to join")
         run.member("other", "--batch-size", "32", "--min-members", "2")
         assert run.wait("other") == [1]
         assert "error: this member's training flags differ from the run's (--batch-size 32 here, 16 in the run" in \
