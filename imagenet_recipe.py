@@ -269,6 +269,15 @@ def end_workers_at_exit():
                 child.kill()
     atexit.register(kill_daemonic_children)
 
+def worker_start_method(workers):
+    """How DataLoader starts its workers: from a fork server where there is one (Linux, macOS), not by
+    forking the rank itself. The rank runs threads (gloo's, the stop flag's allreduce in flight), and
+    a child forked while one of them holds a lock can wait on it for ever (Python 3.12 warns of
+    this; 3.14 made forkserver Linux's default). The server is a fresh process that imports the
+    script once; each worker is forked from it."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver") if workers and "forkserver" in methods else None
+
 def from_workers(iterator):
     """A DataLoader iterator's batches; an image a worker could not read ends the run with its
     one line."""
@@ -285,7 +294,8 @@ class FolderBatches:
         self.sampler = RankBatches(len(dataset), global_batch, seed, rank, world_size)
         self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler, num_workers=workers,
                                                   pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                                                  worker_init_fn=leave_stop_signals_to_the_rank)
+                                                  worker_init_fn=leave_stop_signals_to_the_rank,
+                                                  multiprocessing_context=worker_start_method(workers))
         self.global_batch, self.num_samples = global_batch, len(dataset)
         self.device, self.memory_format = device, memory_format
         end_workers_at_exit()
@@ -303,9 +313,11 @@ def evaluate_folder(predict, dataset, device, rank=0, world_size=1, batch_size=2
     """Accuracy on a folder split, as `evaluate` scores the in-memory one (the same slices),
     its images read by workers."""
     chunks = common.eval_chunks(len(dataset), rank, world_size, batch_size)
+    workers = min(workers, len(chunks))
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=[[(0, i) for i in c.tolist()] for c in chunks],
-                                         num_workers=min(workers, len(chunks)), pin_memory=device.type == "cuda",
-                                         worker_init_fn=leave_stop_signals_to_the_rank)
+                                         num_workers=workers, pin_memory=device.type == "cuda",
+                                         worker_init_fn=leave_stop_signals_to_the_rank,
+                                         multiprocessing_context=worker_start_method(workers))
     return common.accuracy(predict, from_workers(iter(loader)), device, world_size)
 
 def spread(samples, n):

@@ -155,6 +155,12 @@ def children_of(pid):
     return found
 
 
+def descendants_of(pid):
+    """Every process below `pid`: children, theirs, and so on."""
+    found = children_of(pid)
+    return found + [d for child in found for d in descendants_of(child)]
+
+
 def wait_for(condition, seconds, what):
     deadline = time.time() + seconds
     while not condition():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import common
 import imagenet_recipe
-from helpers import DATA, HERE, ONE_THREAD, RESNET_LR, assert_ok, assert_same_weights, children_of, load_model, read, run, running, wait_for
+from helpers import DATA, HERE, ONE_THREAD, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of, load_model, read, run, running, wait_for
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -144,8 +144,8 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
                                    env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1"})
             wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
             ranks = children_of(job.pid)
-            everyone = ranks + [worker for rank in ranks for worker in children_of(rank)]
-            assert len(everyone) >= 2 + 4, everyone   # 2 ranks, 2 workers each (and pin threads none: CPU)
+            everyone = descendants_of(job.pid)   # the ranks, each one's fork server and its 2 workers
+            assert len(ranks) == 2 and len(everyone) >= 2 + 4, everyone
             for pid in everyone:
                 os.kill(pid, signal.SIGTERM)
             job.wait(timeout=120)
