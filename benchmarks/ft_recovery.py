@@ -77,6 +77,17 @@ def torchft_member(lighthouse, replica, steps):
 def stamps(text):
     return [(int(s), float(t)) for s, t in re.findall(r"^stamp (\d+) ([\d.]+)$", text, re.M)]
 
+def until_two_finish(members, log, kill_at):
+    """Wait for the first two members to end; with kill_at, SIGKILL the third once the first has
+    committed kill_at steps. Returns the first's stamps and the time of the kill."""
+    killed = None
+    while any(m.poll() is None for m in members[:2]):
+        time.sleep(0.01)
+        if kill_at and killed is None and len(stamps(open(log.name).read())) >= kill_at:
+            members[2].kill()
+            killed = time.time()
+    return stamps(open(log.name).read()), killed
+
 def run_ft(out, steps, kill_at):
     """3 members; with kill_at, one of them is SIGKILLed once the run has committed kill_at steps."""
     import common
@@ -90,14 +101,9 @@ def run_ft(out, steps, kill_at):
     members = [subprocess.Popen([sys.executable, __file__, "stamped", "ft", "--join", address,
                                  "--out", os.path.join(out, f"m{i}")] + flags, cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
-    killed = None
-    while any(m.poll() is None for m in members[:2]):
-        time.sleep(0.01)
-        if kill_at and killed is None and len(stamps(open(logs[0].name).read())) >= kill_at:
-            members[2].kill()
-            killed = time.time()
+    marks, killed = until_two_finish(members, logs[0], kill_at)
     coordinator.kill()
-    return stamps(open(logs[0].name).read()), killed
+    return marks, killed
 
 def run_restart(out, steps, kill_at):
     """ddp_resnet.py, 3 ranks under torchrun --max-restarts=1, a checkpoint every 4 steps; with kill_at,
@@ -127,15 +133,10 @@ def run_torchft(out, steps, kill_at):
     logs = [open(os.path.join(out, f"r{i}.log"), "w+") for i in range(3)]
     members = [subprocess.Popen([sys.executable, __file__, "torchft", lighthouse.address(), str(i), str(steps)],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
-    killed = None
-    while any(m.poll() is None for m in members[:2]):
-        time.sleep(0.01)
-        if kill_at and killed is None and len(stamps(open(logs[0].name).read())) >= kill_at:
-            members[2].kill()
-            killed = time.time()
+    marks, killed = until_two_finish(members, logs[0], kill_at)
     members[2].kill()
     lighthouse.shutdown()
-    return stamps(open(logs[0].name).read()), killed
+    return marks, killed
 
 def _parent(pid):
     try:

@@ -6,7 +6,7 @@ import json, os, re, signal, subprocess, sys, time
 import pytest
 import torch
 import common
-from helpers import DATA, HERE, RESNET_LR, load_model, max_difference, wait_for
+from helpers import DATA, HERE, RESNET_LR, load_model, max_difference, once, wait_for
 
 FT = ["--train-samples", "96", "--test-samples", "50", "--batch-size", "16", "--micro-batch", "4", "--epochs", "1",
       "--lr", str(RESNET_LR), "--data-dir", DATA, "--member-timeout", "4", "--init-timeout", "30"]   # 6 steps
@@ -66,7 +66,8 @@ def finished(run, *names):
     return weights[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+@once
 def uninterrupted(tmp_path_factory):
     """3 members, and 2, without failures: the reference, and the bound (10 x how far 2 members are
     from 3, never below one float32 step of the largest weight)."""
