@@ -273,8 +273,10 @@ def worker_start_method(workers):
     """How DataLoader starts its workers: from a fork server where there is one (Linux, macOS), not by
     forking the rank itself. The rank runs threads (gloo's, the stop flag's allreduce in flight), and
     a child forked while one of them holds a lock can wait on it for ever (Python 3.12 warns of
-    this; 3.14 made forkserver Linux's default). The server is a fresh process that imports the
-    script once; each worker is forked from it."""
+    this; 3.14 made forkserver Linux's default). Seen here once in ~60 resumed runs: an evaluation
+    worker of fsdp_resnet.py stuck inside os.fork (PyOS_AfterFork_Child waiting for a lock another
+    thread of the rank held), its rank waiting on it. The server is a fresh process that imports
+    the script once; each worker is forked from it."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver") if workers and "forkserver" in methods else None
 
