@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import copy, fcntl, functools, math, os, subprocess, sys, time
+import contextlib, copy, fcntl, functools, math, os, signal, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -71,8 +71,18 @@ def run(command, *, env=None, timeout=300):
     if command[0] in ("python", "torchrun"):
         command = ([sys.executable] if command[0] == "python" else
                    [sys.executable, "-m", "torch.distributed.run"]) + command[1:]
-    return subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    # Its own session: a command that runs past the timeout is killed with every process it started
+    # (torchrun's ranks, their DataLoader workers), not only the first, which would leave the rest orphaned.
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:   # the timeout, or the test run interrupted
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 
