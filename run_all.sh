@@ -76,9 +76,10 @@ smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_
 "$PY" - "${runs[@]}" <<'PYTHON'
 import json, sys
 rows = [json.load(open(f"{run}/metrics.json")) for run in sys.argv[1:]]
-print(f"\n{'approach':26} {'devices':12} {'backend':24} {'samples/s':>10} {'test acc':>9} {'seconds':>8} {'MB/step':>8}")
+wide = max(len(m["backend"]) for m in rows)   # the columns fit the longest backend's name
+print(f"\n{'approach':26} {'devices':12} {'backend':{wide}} {'samples/s':>10} {'test acc':>9} {'seconds':>8} {'MB/step':>8}")
 for run, m in zip(sys.argv[1:], rows):
     devices = f"{len(m['devices'])} x {m['devices'][0]}"
-    print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:24} {m['samples_per_s']:10,.0f} "
+    print(f"{run.split('/')[-1]:26} {devices:12} {m['backend']:{wide}} {m['samples_per_s']:10,.0f} "
           f"{m['test_acc']:9.4f} {m['seconds']:8.1f} {m.get('sent_bytes_per_step', 0) / 1e6:8.2f}")
 PYTHON
