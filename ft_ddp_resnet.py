@@ -22,7 +22,8 @@ the same steps give the same weights with 1, 2 or 3 members, up to the order of 
 A step is applied by all its members or by none: after the allreduce each member votes (it
 succeeded, or its collective raised), and the coordinator answers "commit" only if every member of
 the generation voted yes. A member that dies, or hangs for --member-timeout seconds, makes the step
-fail for all; the next quorum computes it again.
+fail for all; the next quorum computes it again. The vote also asks for the next step's quorum, so
+a step costs one round trip to the coordinator.
 
 No DistributedDataParallel wrapper: it is bound to one process group, and a failed allreduce
 leaves its reducer in a state it does not recover from (torchft's own DDP wrapper dies there on
@@ -125,14 +126,19 @@ def serve(args):
             if member.get("joined") and not member.get("dropped") and now - member["beat"] > timeout:
                 member["dropped"] = True
                 print(f"coordinator: member {member_id} dropped: no answer for {timeout:g} s", flush=True)
+                if member["want"]:   # it waits for a quorum it asked for with its vote: the answer waits for it
+                    member["want"] = None
+                    send(member, {"dropped": f"no answer for {timeout:g} s"})
+                    print(f"coordinator: member {member_id} will read that it has been dropped", flush=True)
         live = {i: m for i, m in members.items() if m.get("joined") and not m.get("dropped")}
         # The commit: every member of the generation voted yes, and none is gone; else no one applies the step.
         voters = {i: m for i, m in live.items() if m["want"] and m["want"]["op"] == "vote"}
         if voters and all(i in voters or i not in live for i in state["gen_members"]):
             commit = (all(i in voters for i in state["gen_members"]) and all(m["want"]["ok"] for m in voters.values())
                       and len({m["want"]["step"] for m in voters.values()}) == 1)
-            for member in voters.values():
-                member["want"] = None
+            for member in voters.values():   # a vote with "next" also asks for the next step's quorum
+                vote = member["want"]
+                member["want"] = {"op": "ready", "step": vote["step"] + commit} if vote.get("next") else None
                 send(member, {"commit": commit})
         # The quorum: every live member asks for one (at least --min-members for the first).
         ready = {i: m for i, m in live.items() if m["want"] and m["want"]["op"] == "ready"}
@@ -199,6 +205,9 @@ class Coordinator:
 
     def ask(self, message):
         self.tell(message)
+        return self.receive()
+
+    def receive(self):
         while b"\n" not in self.buffer:
             try:
                 data = self.sock.recv(65536)
@@ -367,19 +376,20 @@ def train(args):
         return (*join(), None)
 
     coordinator, store = join()
-    gen, generations, steps_here = None, 0, 0
+    gen, generations, steps_here, counted = None, 0, 0, False
     timer = common.Timer(device, already=progress["seconds"])
     while progress["step"] < final_step:
         step = progress["step"]
         if stop["signal"]:
             coordinator.close()
             leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", faults.PREEMPTED)
-        try:
-            quorum = coordinator.ask({"op": "ready", "step": step})   # FT: who takes part in this step
+        try:   # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
+            quorum = coordinator.receive() if counted else coordinator.ask({"op": "ready", "step": step})
         except CoordinatorLost as e:
             leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", faults.PREEMPTED)
         if "dropped" in quorum:   # FT: it hung past --member-timeout; the others went on without it
             coordinator, store, gen = rejoin(quorum["dropped"])
+            counted = False
             continue
         rank, world_size, steps = quorum["rank"], len(quorum["members"]), quorum["steps"]
         ok = True
@@ -414,14 +424,18 @@ def train(args):
             totals = compute(net, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
             step_totals = exchange(net, message, totals, holds_first=0 in mine)   # FT: gradients, statistics, sums
             ok = step_totals is not None
+        # FT: all apply the step, or none; "next": this member is ready for the next step's quorum too
+        # (one message to the coordinator per step; not at the last step, nor when it was told to stop)
+        counted = step + 1 < final_step and not stop["signal"]
         try:
-            commit = coordinator.ask({"op": "vote", "step": step, "ok": ok})   # FT: all apply the step, or none
+            commit = coordinator.ask({"op": "vote", "step": step, "ok": ok, "next": counted})
         except CoordinatorLost as e:
             leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", faults.PREEMPTED)
         if "dropped" in commit:
             for b, committed in zip(buffers_of(net), kept):
                 b.copy_(committed)
             coordinator, store, gen = rejoin(commit["dropped"])
+            counted = False
             continue
         if not commit["commit"]:   # FT: no member applies it; the next quorum computes this step again
             for b, committed in zip(buffers_of(net), kept):
