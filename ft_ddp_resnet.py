@@ -56,7 +56,7 @@ def serve(args):
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    members, run, state = {}, None, {"gen": 0, "gen_members": [], "next_id": 0, "finished": False}
+    members, run, state = {}, None, {"gen": 0, "gen_members": [], "next_id": 0, "finished": False, "failed": False}
 
     def send(member, message):
         try:
@@ -136,6 +136,7 @@ def serve(args):
         if voters and all(i in voters or i not in live for i in state["gen_members"]):
             commit = (all(i in voters for i in state["gen_members"]) and all(m["want"]["ok"] for m in voters.values())
                       and len({m["want"]["step"] for m in voters.values()}) == 1)
+            state["failed"] = state["failed"] or not commit   # a member whose collective failed has left its group
             for member in voters.values():   # a vote with "next" also asks for the next step's quorum
                 vote = member["want"]
                 member["want"] = {"op": "ready", "step": vote["step"] + commit} if vote.get("next") else None
@@ -145,8 +146,8 @@ def serve(args):
         needed = run["min_members"] if run and state["gen"] == 0 else 1
         if ready and len(ready) == len(live) and len(ready) >= needed:
             ids = sorted(ready)
-            if ids != state["gen_members"]:
-                state["gen"], state["gen_members"] = state["gen"] + 1, ids
+            if ids != state["gen_members"] or state["failed"]:   # a new membership, or the same after a failed step
+                state["gen"], state["gen_members"], state["failed"] = state["gen"] + 1, ids, False
             steps = [ready[i]["want"]["step"] for i in ids]
             for rank, i in enumerate(ids):
                 ready[i]["want"] = None
@@ -263,6 +264,12 @@ def compute(net, message, X, y, micro_batch, mine, amp):
         totals[2] += len(y_micro)   # a Python number: no host sync per micro-batch
     return totals
 
+def leave_group():
+    """A collective failed: leave its group at once. Its connections close, so a member still waiting
+    inside the collective for this one fails now, not at the group's timeout (a member that died
+    fails only its neighbours in gloo's ring: the others' wait is on a survivor; seen here: 10 s)."""
+    dist.destroy_process_group()   # FT: the next generation makes a new one
+
 def exchange(net, message, totals, holds_first):
     """One allreduce of the message buffer: the gradients (summed in place), the running statistics
     of micro-batch 0's holder (every other member sends zeros) and the step's loss sums. Returns
@@ -276,6 +283,7 @@ def exchange(net, message, totals, holds_first):
     try:
         dist.all_reduce(message)   # FT: on this generation's group
     except (RuntimeError, dist.DistError):
+        leave_group()
         return None
     for piece, b in zip(tail, stats):
         b.copy_(piece.view_as(b))
@@ -297,6 +305,7 @@ def recover(net, optimizer, progress, src):
         dist.broadcast(flat, src=src)   # FT: the state, from the member furthest ahead
         dist.broadcast_object_list(box, src=src)   # FT: its position and history
     except (RuntimeError, dist.DistError):
+        leave_group()
         return None
     with torch.no_grad():
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):

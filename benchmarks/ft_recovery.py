@@ -7,8 +7,9 @@ and the commit cost per step when nothing fails, against ddp_resnet.py at the sa
 
 Three processes on this machine (one thread each), ResNet-18 for 28x28 images, 8 images each per
 step. Every step's end is stamped with the time (a wrapper around each script, in this file: the
-scripts print no line per step). Time lost per failure: from the SIGKILL of one process to the
-next step any survivor commits, minus one normal step (the median of the steps before the kill).
+scripts print no line per step). A kill lands in the middle of a step (half a normal step after
+the kill_at-th is stamped). Time lost per failure: from the SIGKILL of one process to the next
+step any survivor commits, minus one normal step (the median of the steps before the kill).
 """
 import argparse, json, os, re, signal, statistics, subprocess, sys, tempfile, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,13 +78,23 @@ def torchft_member(lighthouse, replica, steps):
 def stamps(text):
     return [(int(s), float(t)) for s, t in re.findall(r"^stamp (\d+) ([\d.]+)$", text, re.M)]
 
+def mid_step(log, kill_at):
+    """Once kill_at steps are stamped in the log: the time half a normal step after the last stamp
+    (a failure lands anywhere in a step; the middle is its average), else None."""
+    marks = stamps(open(log.name).read())
+    if len(marks) < kill_at:
+        return None
+    times = [t for _, t in marks]
+    return times[-1] + statistics.median(b - a for a, b in zip(times[1:], times[2:])) / 2
+
 def until_two_finish(members, log, kill_at):
-    """Wait for the first two members to end; with kill_at, SIGKILL the third once the first has
-    committed kill_at steps. Returns the first's stamps and the time of the kill."""
-    killed = None
+    """Wait for the first two members to end; with kill_at, SIGKILL the third in the middle of the
+    step after the first has committed kill_at steps. Returns the first's stamps and the time of the kill."""
+    killed, at = None, None
     while any(m.poll() is None for m in members[:2]):
-        time.sleep(0.01)
-        if kill_at and killed is None and len(stamps(open(log.name).read())) >= kill_at:
+        time.sleep(0.005)
+        at = at or (kill_at and mid_step(log, kill_at))
+        if at and killed is None and time.time() >= at:
             members[2].kill()
             killed = time.time()
     return stamps(open(log.name).read()), killed
@@ -107,7 +118,7 @@ def run_ft(out, steps, kill_at):
 
 def run_restart(out, steps, kill_at):
     """ddp_resnet.py, 3 ranks under torchrun --max-restarts=1, a checkpoint every 4 steps; with kill_at,
-    rank 2 is SIGKILLed once kill_at steps are done, and the job restarts from the checkpoint."""
+    rank 2 is SIGKILLed in the middle of the step after kill_at, and the job restarts from the checkpoint."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(os.path.join(out, "ddp.log"), "w+")
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
@@ -115,10 +126,11 @@ def run_restart(out, steps, kill_at):
                             "--test-samples", "10", "--batch-size", "24", "--epochs", "1", "--lr", "0.002",
                             "--checkpoint-every", "4", "--resume", "--out", out], cwd=ROOT, env=env, stdout=log,
                            stderr=subprocess.STDOUT)
-    killed = None
+    killed, at = None, None
     while job.poll() is None:
-        time.sleep(0.01)
-        if kill_at and killed is None and len(stamps(open(log.name).read())) >= kill_at:
+        time.sleep(0.005)
+        at = at or (kill_at and mid_step(log, kill_at))
+        if at and killed is None and time.time() >= at:
             workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == job.pid]
             os.kill(max(workers), signal.SIGKILL)   # the last worker started: rank 2
             killed = time.time()
@@ -126,7 +138,7 @@ def run_restart(out, steps, kill_at):
 
 def run_torchft(out, steps, kill_at):
     """3 torchft replica groups of one process and a lighthouse (join timeout 1 s, heartbeat timeout
-    5 s); with kill_at, the third is SIGKILLed once the first has committed kill_at steps."""
+    5 s); with kill_at, the third is SIGKILLed in the middle of the step after the first's kill_at-th."""
     from torchft.coordination import LighthouseServer
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=5000)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -167,7 +179,7 @@ def main():
     args = p.parse_args()
     import torch
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
-          f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill after {args.kill_at}", flush=True)
+          f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill in the middle of step {args.kill_at + 1}", flush=True)
     results, runs = {}, [("ft_ddp_resnet.py, nothing fails", run_ft, 0),
                          ("ddp_resnet.py, nothing fails", run_restart, 0),
                          ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
