@@ -28,7 +28,8 @@ a step costs one round trip to the coordinator.
 No DistributedDataParallel wrapper: it is bound to one process group, and a failed allreduce
 leaves its reducer in a state it does not recover from (torchft's own DDP wrapper dies there on
 CPU). The gradients are summed in one allreduce after backward, with BatchNorm's buffers and the
-step's loss sums in the same message (no overlap with backward: its cost is in benchmarks/).
+step's loss sums in the same message. No overlap with backward: the same overlap by hand (hooks
+starting each bucket's allreduce) did not pay on 2 CPU cores; benchmarks/README.md has the figures.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
 import contextlib, datetime, json, math, os, selectors, signal, socket, sys, threading, time, zlib
