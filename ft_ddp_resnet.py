@@ -359,6 +359,7 @@ def train(args):
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
     if args.resume:
         progress = load_checkpoint(args.checkpoint, net, optimizer) or progress
+        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
     flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}",
              "member_timeout": args.member_timeout, "min_members": args.min_members}
     common.check_out_dir(args.out)
@@ -390,7 +391,7 @@ def train(args):
     timer = common.Timer(device, already=progress["seconds"])
     while progress["step"] < final_step:
         step = progress["step"]
-        if stop["signal"]:
+        if stop["signal"] and not counted:   # (counted in this step's quorum: the others wait for it; it goes after)
             coordinator.close()
             leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", faults.PREEMPTED)
         try:   # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)

@@ -69,8 +69,8 @@ def finished(run, *names):
 @pytest.fixture(scope="session")
 @once
 def uninterrupted(tmp_path_factory):
-    """3 members, and 2, without failures: the reference, and the bound (10 x how far 2 members are
-    from 3, never below one float32 step of the largest weight)."""
+    """3 members, and 2, without failures: the reference, the bound (10 x how far 2 members are
+    from 3, never below one float32 step of the largest weight), and the 2 members' weights."""
     weights = {}
     for n in (3, 2):
         with Run(tmp_path_factory.mktemp(f"ft{n}")) as run:
@@ -81,12 +81,12 @@ def uninterrupted(tmp_path_factory):
             assert json.load(open(run.tmp / "m0" / "metrics.json"))["steps"] == 6
     largest = max(t.abs().max().item() for t in weights[3].values() if t.is_floating_point())
     bound = 10 * max(max_difference(weights[3], weights[2]), torch.finfo(torch.float32).eps * largest)
-    return weights[3], bound
+    return weights[3], bound, weights[2]
 
 
 @pytest.mark.parametrize("where", ["backward", "allreduce"])
 def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uninterrupted, tmp_path):
-    reference, bound = uninterrupted
+    reference, bound, _ = uninterrupted
     with Run(tmp_path) as run:
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "3")
@@ -116,7 +116,7 @@ PATIENT = ("--member-timeout", "60")
 
 
 def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted, tmp_path):
-    reference, bound = uninterrupted
+    reference, bound, _ = uninterrupted
     with Run(tmp_path) as run:
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "3", *PATIENT)
@@ -133,7 +133,7 @@ def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted
 def test_two_failures_in_a_row_a_failure_in_recovery_and_a_death_before_the_vote(uninterrupted, tmp_path):
     """m1 dies between its allreduce and its vote at step 1, m2 in backward at step 2; m1 restarted
     dies while receiving the state; restarted again it recovers. m0 went on throughout."""
-    reference, bound = uninterrupted
+    reference, bound, _ = uninterrupted
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "3", *PATIENT)
         run.member("m1", "--min-members", "3", *PATIENT, dies=("before-vote", 1))
@@ -150,7 +150,7 @@ def test_two_failures_in_a_row_a_failure_in_recovery_and_a_death_before_the_vote
 
 
 def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(uninterrupted, tmp_path):
-    reference, bound = uninterrupted
+    reference, bound, _ = uninterrupted
     with Run(tmp_path) as run:
         for name in ("m0", "m1", "m2"):
             run.member(name, "--min-members", "3")
@@ -170,6 +170,30 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         assert rejoined, log
         behind = int(rejoined[1]) < int(rejoined[2])
         assert ("recovered live from member" in log) == behind, log
+
+
+def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_never_stopped(uninterrupted, tmp_path):
+    """The whole-job restarts that remain: every member SIGTERMed writes its checkpoint and exits 75;
+    started again with --resume (a new coordinator), the two end with the weights of two members
+    never stopped, bit for bit (the same steps, the same sums: the schedule taken up where it was)."""
+    two = uninterrupted[2]
+    with Run(tmp_path) as run:
+        for name in ("m0", "m1"):
+            run.member(name, "--min-members", "2", "--checkpoint-every", "1")
+        wait_for(lambda: (tmp_path / "m0" / "checkpoint.pt").exists(), 90, "the first checkpoint")
+        for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):   # both told at once, as a scheduler does
+            for name in ("m0", "m1"):
+                run.members[name].send_signal(sig)
+        assert run.wait("m0", "m1") == [75, 75], run.log("m0") + run.log("m1")
+        stopped = [torch.load(tmp_path / name / "checkpoint.pt")["step"] for name in ("m0", "m1")]
+        assert stopped[0] == stopped[1] < 6, stopped
+        assert all(f"stopped by SIGTERM at step {stopped[0]}" in run.log(name) for name in ("m0", "m1"))
+    with Run(tmp_path) as run:
+        for name in ("m0", "m1"):
+            run.member(name, "--min-members", "2", "--resume")
+        weights = finished(run, "m0", "m1")
+    assert max_difference(weights, two) == 0
+    assert json.load(open(tmp_path / "m0" / "metrics.json"))["steps"] == 6
 
 
 def test_bad_inputs_each_end_with_one_line(tmp_path):
