@@ -314,12 +314,16 @@ def recover(net, optimizer, progress, src):
     return box[0]
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
-def save_checkpoint(path, net, optimizer, progress):
-    state = {"arch": "fashion_resnet18", **progress, "model": net.state_dict(), "optimizer": optimizer.state_dict()}
+DRAWN = ("batch_size", "seed", "train_samples", "data")   # what decides each step's batch
+
+def save_checkpoint(path, net, optimizer, progress, flags):
+    state = {"arch": "fashion_resnet18", **progress, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+             "flags": {k: flags[k] for k in RUN_FLAGS + ("data",)}}
     faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, net, optimizer):
-    """This member's own checkpoint, or None; a file it cannot use ends it with one line."""
+def load_checkpoint(path, net, optimizer, flags):
+    """This member's own checkpoint, or None; a file it cannot use, or one written with other
+    batches, ends it with one line. Other training flags (--lr, ...) are said, and apply from here."""
     if not os.path.exists(path):
         print(f"no checkpoint at {path}: this member starts from step 0 (or from its peers)", flush=True)
         return None
@@ -327,9 +331,17 @@ def load_checkpoint(path, net, optimizer):
         state = torch.load(path, map_location="cpu")
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        return {k: state[k] for k in ("step", "totals", "history", "seconds")}
     except Exception as e:   # a foreign pickle can raise anything: say which file and why
         raise SystemExit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}") from None
+    saved, name = state.get("flags", {}), lambda k: "the data" if k == "data" else f"--{k.replace('_', '-')}"
+    differ = [f"{name(k)} {saved[k]} there, {flags[k]} here" for k in DRAWN if k in saved and saved[k] != flags[k]]
+    if differ:   # its step would stand for other batches
+        raise SystemExit(f"error: cannot resume from {path}: it was written with other batches ({'; '.join(differ)}); "
+                         f"use the same --batch-size, --seed, --train-samples and data, or start without --resume")
+    changed = [f"{name(k)} {flags[k]} (was {saved[k]})" for k in RUN_FLAGS if k in saved and saved[k] != flags[k]]
+    if changed:
+        print(f"note: resumed with {', '.join(changed)}: applied from step {state['step']} on", flush=True)
+    return {k: state[k] for k in ("step", "totals", "history", "seconds")}
 
 # ---------------------------------------------------------------- a member
 def train(args):
@@ -357,11 +369,11 @@ def train(args):
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(y_test))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
-    if args.resume:
-        progress = load_checkpoint(args.checkpoint, net, optimizer) or progress
-        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
     flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}",
              "member_timeout": args.member_timeout, "min_members": args.min_members}
+    if args.resume:
+        progress = load_checkpoint(args.checkpoint, net, optimizer, flags) or progress
+        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
     common.check_out_dir(args.out)
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM"))
@@ -374,7 +386,7 @@ def train(args):
         return coordinator, store
 
     def leave(line, status):   # FT: this member stops; the others go on without it
-        save_checkpoint(args.checkpoint, net, optimizer, progress)
+        save_checkpoint(args.checkpoint, net, optimizer, progress, flags)
         print(f"member {coordinator.id}: {line}; checkpoint of step {progress['step']} written to {args.checkpoint}; "
               f"exit status {status}", file=sys.stderr if status != faults.PREEMPTED else sys.stdout, flush=True)
         raise SystemExit(status)
@@ -461,7 +473,7 @@ def train(args):
         progress = {"step": step + 1, "totals": [a + b for a, b in zip(progress["totals"], step_totals.tolist())],
                     "history": progress["history"], "seconds": timer()}
         if args.checkpoint_every and progress["step"] % args.checkpoint_every == 0:
-            save_checkpoint(args.checkpoint, net, optimizer, progress)
+            save_checkpoint(args.checkpoint, net, optimizer, progress, flags)
         if progress["step"] % steps_per_epoch == 0 or progress["step"] == final_step:   # an epoch's end: evaluate here
             net.eval()
             test_acc = common.evaluate(net, X_test, y_test, device)   # every member holds the same weights

@@ -175,7 +175,8 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
 def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_never_stopped(uninterrupted, tmp_path):
     """The whole-job restarts that remain: every member SIGTERMed writes its checkpoint and exits 75;
     started again with --resume (a new coordinator), the two end with the weights of two members
-    never stopped, bit for bit (the same steps, the same sums: the schedule taken up where it was)."""
+    never stopped, bit for bit (the same steps, the same sums: the schedule taken up where it was).
+    A resume that would draw other batches is refused in one line."""
     two = uninterrupted[2]
     with Run(tmp_path) as run:
         for name in ("m0", "m1"):
@@ -189,6 +190,12 @@ def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_
         assert stopped[0] == stopped[1] < 6, stopped
         assert all(f"stopped by SIGTERM at step {stopped[0]}" in run.log(name) for name in ("m0", "m1"))
     with Run(tmp_path) as run:
+        checkpoint = str(tmp_path / "m0" / "checkpoint.pt")   # other batches: its step would mean others
+        run.member("wrong", "--resume", "--checkpoint", checkpoint, "--batch-size", "32")
+        assert run.wait("wrong") == [1]
+        assert run.log("wrong").strip().splitlines() == [
+            f"error: cannot resume from {checkpoint}: it was written with other batches (--batch-size 16 there, 32 here); "
+            f"use the same --batch-size, --seed, --train-samples and data, or start without --resume"], run.log("wrong")
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "2", "--resume")
         weights = finished(run, "m0", "m1")
