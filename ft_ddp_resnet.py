@@ -314,34 +314,25 @@ def recover(net, optimizer, progress, src):
     return box[0]
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
-DRAWN = ("batch_size", "seed", "train_samples", "data")   # what decides each step's batch
-
-def save_checkpoint(path, net, optimizer, progress, flags):
-    state = {"arch": "fashion_resnet18", **progress, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-             "flags": {k: flags[k] for k in RUN_FLAGS + ("data",)}}
+def save_checkpoint(path, net, optimizer, position):
+    state = {"arch": "fashion_resnet18", **position, "model": net.state_dict(), "optimizer": optimizer.state_dict()}
     faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, net, optimizer, flags):
-    """This member's own checkpoint, or None; a file it cannot use, or one written with other
-    batches, ends it with one line. Other training flags (--lr, ...) are said, and apply from here."""
+def load_checkpoint(path, net, optimizer):
+    """This member's own checkpoint, or None; a file it cannot use ends it with one line."""
     if not os.path.exists(path):
         print(f"no checkpoint at {path}: this member starts from step 0 (or from its peers)", flush=True)
         return None
     try:
         state = torch.load(path, map_location="cpu")
+        missing = {"step", "epoch", "batch_in_epoch", "totals", "history", "seconds", "drawn_from"} - state.keys()
+        if missing:
+            raise ValueError(f"it lacks {', '.join(sorted(missing))}")
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        return state
     except Exception as e:   # a foreign pickle can raise anything: say which file and why
         raise SystemExit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}") from None
-    saved, name = state.get("flags", {}), lambda k: "the data" if k == "data" else f"--{k.replace('_', '-')}"
-    differ = [f"{name(k)} {saved[k]} there, {flags[k]} here" for k in DRAWN if k in saved and saved[k] != flags[k]]
-    if differ:   # its step would stand for other batches
-        raise SystemExit(f"error: cannot resume from {path}: it was written with other batches ({'; '.join(differ)}); "
-                         f"use the same --batch-size, --seed, --train-samples and data, or start without --resume")
-    changed = [f"{name(k)} {flags[k]} (was {saved[k]})" for k in RUN_FLAGS if k in saved and saved[k] != flags[k]]
-    if changed:
-        print(f"note: resumed with {', '.join(changed)}: applied from step {state['step']} on", flush=True)
-    return {k: state[k] for k in ("step", "totals", "history", "seconds")}
 
 # ---------------------------------------------------------------- a member
 def train(args):
@@ -369,11 +360,25 @@ def train(args):
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(y_test))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
-    flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}",
+    labels = zlib.crc32(y_train.numpy().tobytes())
+    flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {labels}",
              "member_timeout": args.member_timeout, "min_members": args.min_members}
-    if args.resume:
-        progress = load_checkpoint(args.checkpoint, net, optimizer, flags) or progress
+    # A resume as the other scripts do it: other batches refused inside an epoch, another --lr (...) said
+    drawn_from = {"global batch": args.batch_size, "seed": args.seed, "training samples": len(y_train), "labels crc": labels}
+    recipe = imagenet_recipe.recipe_of(args)
+    state = load_checkpoint(args.checkpoint, net, optimizer) if args.resume else None
+    if state:
+        position = faults.resume_position(state, drawn_from, recipe, args, steps_per_epoch, master=True)
+        if position is None:   # nothing left to train
+            return net
+        progress = {"step": position["step"], "totals": position["totals"], "history": state["history"],
+                    "seconds": position["seconds"]}
         imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
+
+    def checkpoint():   # this member's own, for restarts of the whole job: where it is, what its batches are
+        step = progress["step"]
+        save_checkpoint(args.checkpoint, net, optimizer, {**progress, "epoch": step // steps_per_epoch + 1,
+                        "batch_in_epoch": step % steps_per_epoch, "drawn_from": drawn_from, "recipe": recipe})
     common.check_out_dir(args.out)
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM"))
@@ -386,7 +391,7 @@ def train(args):
         return coordinator, store
 
     def leave(line, status):   # FT: this member stops; the others go on without it
-        save_checkpoint(args.checkpoint, net, optimizer, progress, flags)
+        checkpoint()
         print(f"member {coordinator.id}: {line}; checkpoint of step {progress['step']} written to {args.checkpoint}; "
               f"exit status {status}", file=sys.stderr if status != faults.PREEMPTED else sys.stdout, flush=True)
         raise SystemExit(status)
@@ -472,8 +477,6 @@ def train(args):
         steps_here += 1
         progress = {"step": step + 1, "totals": [a + b for a, b in zip(progress["totals"], step_totals.tolist())],
                     "history": progress["history"], "seconds": timer()}
-        if args.checkpoint_every and progress["step"] % args.checkpoint_every == 0:
-            save_checkpoint(args.checkpoint, net, optimizer, progress, flags)
         if progress["step"] % steps_per_epoch == 0 or progress["step"] == final_step:   # an epoch's end: evaluate here
             net.eval()
             test_acc = common.evaluate(net, X_test, y_test, device)   # every member holds the same weights
@@ -481,6 +484,8 @@ def train(args):
             common.record_epoch(metrics, epoch, torch.tensor(progress["totals"]), progress["seconds"], test_acc, True)
             progress = {"step": progress["step"], "totals": [0.0] * 3, "history": metrics["epochs"], "seconds": 0.0}
             timer = common.Timer(device)
+        if args.checkpoint_every and progress["step"] % args.checkpoint_every == 0:   # after an epoch's evaluation
+            checkpoint()
     coordinator.tell({"op": "done"})
     coordinator.close()
     metrics.update(generations=generations, epochs=progress["history"])
