@@ -5,7 +5,7 @@
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import os, sys, time
+import argparse, os, sys, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import common
-import faults
 
 def toy_data(n, seed):
     """Points in the plane, labelled by quadrant (XOR): a hidden layer is needed to separate them."""
@@ -37,25 +36,15 @@ def train_loader(X, y, rank_batch, rank, world_size, seed):
 
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
-    if backend == "nccl":
-        common.check_gpu_count(processes_here, rank=rank)   # DDP: one GPU per process
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        common.share_cores(processes_here)
-    # DDP: join the group the way torchrun documents it, with one change: the wait for every rank has a
-    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
-    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DDP: wait for all ranks
-                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
+    device = common.pick_device(backend)   # DDP: one GPU per process
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    rank_batch = faults.rank_batch_size(args.batch_size, world_size, args.train_samples, master)
+    rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)
     X_train, y_train = toy_data(args.train_samples, seed=1)
     X_test, y_test = toy_data(args.test_samples, seed=2)
     loader = train_loader(X_train, y_train, rank_batch, rank, world_size, args.seed)
@@ -86,7 +75,8 @@ def train(args):
                 break
         seconds = timer()
         dist.all_reduce(totals)   # DDP: loss and hits over all ranks, not just this one
-        test_acc = common.evaluate(model.module, X_test, y_test, device, rank, world_size)
+        test_batches = common.test_loader(TensorDataset(X_test, y_test), rank, world_size, device)
+        test_acc = common.accuracy(model.module, test_batches, device, world_size)   # DDP: [correct, count] summed
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if step == args.max_steps:
             break
@@ -96,22 +86,29 @@ def train(args):
     return model.module
 
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=20, batch_size=96, lr=0.2,
-                           data=False, distributed=True)
-    p.set_defaults(train_samples=2000, test_samples=1000)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=common.positive_int, default=20, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=96, help="global batch, over all ranks")
+    p.add_argument("--lr", type=common.positive_float, default=0.2, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
+    p.add_argument("--train-samples", type=common.positive_int, default=2000, help="toy training points")
+    p.add_argument("--test-samples", type=common.positive_int, default=1000, help="toy test points")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--world-size", type=common.positive_int,
                    help="processes to start when run without torchrun (default: one per GPU, else 2)")
+    p.add_argument("--out", default="runs/ddp_toy", help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     return p.parse_args(argv)
 
 def run_rank(local_rank, args):   # DDP: one process of mp.spawn, told its rank as torchrun would tell it
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    with faults.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
         train(args)
 
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
-        with faults.one_line_per_rank():
+        with common.one_line_per_rank():
             return train(args)
     # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
     # pick a free one, so two jobs on one machine never collide.

@@ -1,8 +1,9 @@
-"""ResNet-18 on Fashion-MNIST, or your own image folder, with DiLoCo: ranks train alone for H steps, then average what they learned.
+"""ResNet-18 with DiLoCo: ranks train alone for H steps, then average what they learned.
 
     python diloco_resnet.py                                   # one process, no launcher needed
     torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 10
-    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py --local-steps 50
+    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py \
+        --local-steps 50
 
 DDP allreduces the gradients at every step; over a slow link between machines that wait is most
 of the step. DiLoCo (Douillard et al., 2023) talks H times less often. Each rank trains its own
@@ -20,16 +21,14 @@ average of the ranks' SGD updates from the same weights is the update of their a
 Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use
 the shared weights of the last sync. A checkpoint holds the shared weights and the outer momentum,
 and a folder beside it every rank's replica with its inner optimizer: a run stopped inside a round
-resumes in it (at the same world size). Copy it with common.py, faults.py and imagenet_recipe.py.
+resumes in it (at the same world size). Copy it with common.py.
 Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import collections, math, os, shutil, time
+import argparse, collections, math, os, shutil, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import common
-import faults
-import imagenet_recipe
 
 # ---------------------------------------------------------------- the outer step: what makes this DiLoCo
 class Outer:
@@ -73,12 +72,12 @@ class Outer:
                 mine.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
 
-def evaluate_shared(data, net, outer):
+def evaluate_shared(test_batches, net, outer, device):
     """Test accuracy of the shared weights; this rank's replica is put back after."""
     replica = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(outer.shared_state(net))
     net.eval()
-    accuracy = data.evaluate(net)   # DiLoCo: each rank scores its slice; [correct, count] summed
+    accuracy = common.accuracy(net, test_batches, device, dist.get_world_size())   # DiLoCo: [correct, count] summed
     net.load_state_dict(replica)
     return accuracy
 
@@ -96,13 +95,13 @@ def replica_files(path, step):
     """The folder of the replicas that the checkpoint `path` of step `step` goes with."""
     return f"{path}.replicas-step{step}"
 
-def save_checkpoint(path, arch, net, optimizer, outer, position, history, device, rank, world_size):
+def save_checkpoint(path, net, optimizer, scheduler, outer, position, flags, history, rank, world_size):
     """Rank 0 writes each rank's replica, inner optimizer and random state (inside a round they
     differ) to a folder of their own, one file per rank, receiving them one at a time (its memory
     does not grow with the world size); then the checkpoint file itself: the position, the
     shared weights and outer momentum, and which folder goes with it. Older folders are deleted
     only once the new file is in place, so a crash leaves the last complete checkpoint."""
-    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict(), **faults.rng_state(device)})
+    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict()})
     folder = replica_files(path, position["step"])
     for sender in range(world_size):
         if rank == 0:
@@ -111,19 +110,19 @@ def save_checkpoint(path, arch, net, optimizer, outer, position, history, device
                 dist.recv_object_list(received, src=sender)   # DiLoCo: rank `sender`'s replica, alone
                 replica = received[0]
             os.makedirs(folder, exist_ok=True)
-            faults.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
+            common.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
         elif rank == sender:
             dist.send_object_list([replica], dst=0)   # DiLoCo: this rank's replica to rank 0
     if rank == 0:
-        state = {"arch": arch, "world_size": world_size, **position, "history": history, "outer": outer.state_dict(),
-                 "replicas": os.path.basename(folder)}
-        faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
+        state = {"world_size": world_size, **position, "flags": flags, "history": history, "outer": outer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "replicas": os.path.basename(folder)}
+        common.save_atomically(lambda tmp: torch.save(state, tmp), path)
         prefix = os.path.basename(path) + ".replicas-step"
         for name in os.listdir(os.path.dirname(os.path.abspath(path))):
             if name.startswith(prefix) and name != os.path.basename(folder):
                 shutil.rmtree(os.path.join(os.path.dirname(os.path.abspath(path)), name), ignore_errors=True)
 
-def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size):
+def load_checkpoint(path, net, optimizer, scheduler, outer, rank, world_size):
     """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then
     each rank its replica, one at a time. Returns the checkpoint, or None when there is none;
     errors exit, said once."""
@@ -133,8 +132,8 @@ def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size)
     elif rank == 0:
         try:
             state[0] = torch.load(path, map_location="cpu")
-            if not isinstance(state[0], dict) or state[0].get("arch") != arch or "outer" not in state[0]:
-                raise ValueError(f"it holds no diloco_resnet.py checkpoint of {arch}")
+            if not isinstance(state[0], dict) or "outer" not in state[0]:
+                raise ValueError("it holds no diloco_resnet.py checkpoint")
             if state[0]["world_size"] != world_size:
                 raise ValueError(f"it was written by {state[0]['world_size']} ranks, each with its own replica; "
                                  f"resume with {state[0]['world_size']}")
@@ -157,80 +156,76 @@ def load_checkpoint(path, arch, net, optimizer, outer, device, rank, world_size)
                 mine = received[0]
         net.load_state_dict(mine["model"])
         optimizer.load_state_dict(mine["optimizer"])
-        faults.restore_rng(mine, device)
+        scheduler.load_state_dict(state[0]["scheduler"])
         outer.load_state_dict(state[0]["outer"])
     return state[0]
 
 # ---------------------------------------------------------------- training
 def train(args):
     # DiLoCo: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), gloo between CPUs
-    if backend == "nccl":
-        common.check_gpu_count(processes_here, rank=rank)   # DiLoCo: one GPU per process
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        common.share_cores(processes_here)
-    # DiLoCo: join the group the way torchrun documents it, with one change: the wait for every rank has a
-    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
-    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # DiLoCo: wait for all ranks
-                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
+    device = common.pick_device(backend)   # DiLoCo: one GPU per process
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DiLoCo: all ranks
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DiLoCo: rank 0 alone prints and writes
+    if master:
+        common.check_out_dir(args.out)
+    train_set, test_set, arch, classes = common.datasets(args, rank, world_size, device)   # as ddp_resnet.py
+    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
+                                                 args.workers)   # DiLoCo: this rank's 1/W of each global batch
+    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
+    steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    data = imagenet_recipe.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
-    global_batch = data.train.global_batch
-    rank_batch = global_batch // world_size
 
-    net = imagenet_recipe.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
-    lr = imagenet_recipe.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples of the global batch
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)   # inner, per rank
-    steps_per_epoch = len(data.train)
-    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                            steps_per_epoch * args.epochs, args.schedule)
+    net = common.resnet(arch, classes, args.seed).to(device, memory_format=memory_format)
+    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples of the global batch
+    optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
+                                             steps_per_epoch * args.epochs)   # inner, per rank
     outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
-    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
-                                 world_size, data.test_samples)
-    drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
+    metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
+    flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = (load_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, device, rank, world_size)
-             if args.resume else None)
+    state = None
+    if args.resume:
+        state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, outer, rank, world_size)
+    last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
+    final_step = min(args.max_steps or math.inf, last_step)
     if state:
-        position = faults.resume_position(state, drawn_from, imagenet_recipe.recipe_of(args), args, steps_per_epoch,
-                                          master)
-        metrics["epochs"] = state["history"]
+        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, args.max_steps,
+                                          steps_per_epoch * args.epochs, master)
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # DiLoCo: leave cleanly
             return outer.shared_state(net)
-        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
-    last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
-    final_step = min(args.max_steps or math.inf, last_step)
-    def save(here):   # DiLoCo: every rank sends its replica; rank 0 writes
-        save_checkpoint(args.checkpoint, data.arch, net, optimizer, outer, here, metrics["epochs"],
-                        device, rank, world_size)
-    checkpoints = faults.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
-                                       imagenet_recipe.recipe_of(args))   # DiLoCo: all ranks stop at the same step
+        metrics["epochs"] = state["history"]
+    def save(epoch, batch_in_epoch, totals, seconds):   # DiLoCo: every rank sends its replica; rank 0 writes
+        partial = totals.clone()
+        dist.all_reduce(partial)   # DiLoCo: every rank's sums so far in this epoch
+        here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
+                "seconds": seconds}
+        save_checkpoint(args.checkpoint, net, optimizer, scheduler, outer, here, flags, metrics["epochs"], rank,
+                        world_size)
+        if master:
+            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+    stop = common.StopSignal(args.checkpoint)   # DiLoCo: SIGTERM/SIGUSR1 stop every rank at the same step
     sent = collections.Counter()   # the bytes this rank hands to collectives in this run's steps (metrics.json)
     if master:
-        print(f"diloco_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
-              f"{global_batch} = {world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {global_batch}/256), "
-              f"{args.schedule} after {args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} "
-              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
+        print(f"diloco_resnet: {arch}, {world_size} rank(s) on {device} ({backend}), global batch {args.batch_size} = "
+              f"{world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {args.batch_size}/256), cosine after "
+              f"{args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} step(s): outer SGD lr "
+              f"{args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
-        if step >= final_step:   # --max-steps reached at the end of the last epoch
-            break
-        batches = len(data.train)
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        last = min(batches, done + final_step - step)   # where --max-steps may stop this epoch
-        progress = common.Progress(epoch, batches, master, first=done, last=last)
+        sampler.set_epoch(epoch, start=done)   # a new order each epoch, the same on every rank
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        batch_in_epoch = done
         net.train()
-        for batch_in_epoch, (X, y) in enumerate(data.train.epoch(epoch, done, last), done + 1):   # this rank's share
+        for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+            y = y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
                 logits = net(X)
@@ -243,34 +238,60 @@ def train(args):
             step += 1
             if step % args.local_steps == 0 or step == last_step:
                 outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
-            progress(batch_in_epoch)
-            if checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer):   # DiLoCo: a stop, agreed
-                dist.destroy_process_group()   # DiLoCo: every rank stops after this same step, the replicas written
-                raise SystemExit(faults.PREEMPTED)   # 75: not finished, nothing failed; --resume goes on
+            epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
+            signalled = stop.agreed(now=epoch_end) if step < final_step else None   # DiLoCo: one answer on all ranks
+            every = args.checkpoint_every and step % args.checkpoint_every == 0
+            if signalled or (not epoch_end and (every or step == final_step)):
+                save(epoch, batch_in_epoch, totals, timer())
+            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written
+                dist.destroy_process_group()   # DiLoCo: leave, then exit 75
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+            if step == final_step:
+                stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
+                break
         seconds = timer()
-        if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
-            checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # DiLoCo: loss, hits and samples over all ranks
-        test_acc = evaluate_shared(data, net, outer)   # the shared weights of the last sync
+        test_acc = evaluate_shared(test_batches, net, outer, device)   # the shared weights of the last sync
         net.train()
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if last < batches:
+        if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
+            save(epoch + 1, 0, torch.zeros(3, device=device), 0.0)
+        if step == final_step:
             break
-        checkpoints.epoch_done(epoch, step)
-    checkpoints.close()
+    stop.close()
     if master and metrics["epochs"]:
         if step % args.local_steps and step != last_step:
             print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
                   f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
         common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net),
-                      {k: v / (step - position["step"]) for k, v in sent.items()})   # per step of this run
+                      {k: v / max(1, step - position["step"]) for k, v in sent.items()})   # per step of this run
     dist.destroy_process_group()   # DiLoCo: leave cleanly
     return outer.shared_state(net)
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
-                                                            lr=0.05, resnet=True, distributed=True, folders=True))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
+    p.add_argument("--lr", type=common.positive_float, default=0.05,
+                   help="learning rate for 256 samples, scaled linearly with the global batch")
+    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
+                   help="raise the learning rate linearly from ~0 over these epochs")
+    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
+                   help="on convolution and linear weights (none on BatchNorm and biases)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
+    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
+                   "train/ and val/, one subfolder of images per class")
+    p.add_argument("--arch", help="image folders: a torchvision model (default resnet18)")
+    p.add_argument("--image-size", type=common.positive_int, help="image folders: resized and cropped to this "
+                   "(224; fashion_resnet18: 28)")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="image folders: DataLoader workers")
+    p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
+    p.add_argument("--train-samples", type=common.positive_int, help="Fashion-MNIST: only the first N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="Fashion-MNIST: only the first N test images")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--local-steps", type=common.positive_int, default=10,
                    help="H: inner steps each rank takes alone between two syncs (1: every step, as DDP)")
     p.add_argument("--outer-lr", type=common.positive_float, default=0.7,
@@ -280,10 +301,11 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
                                         "steps, where the run stops and on SIGTERM/SIGUSR1 "
                                         "(default: <out>/checkpoint.pt)")
-    p.add_argument("--checkpoint-every", type=common.positive_int,
-                   help="also write the checkpoint every N optimizer steps, inside epochs and rounds")
+    p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs and rounds")
     p.add_argument("--resume", action="store_true",
                    help="go on from --checkpoint (as rank 0 sees it), mid-round too; without one, start at step 0")
+    p.add_argument("--out", default="runs/diloco_resnet", help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args
@@ -291,7 +313,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python diloco_resnet.py`: a group of one
-    with faults.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
         return train(args)
 
 if __name__ == "__main__":

@@ -6,15 +6,14 @@
 Each step DataParallel copies the model from the first GPU to the others, cuts the batch into one
 piece per GPU, runs the pieces in threads of this one process, gathers the outputs on the first
 GPU, and sums the gradients back there. Simple to use; see the README for what it costs.
-Copy it with common.py and imagenet_recipe.py (the model and the learning-rate recipe).
+Copy it with common.py.
 Lines that exist only because of DataParallel are tagged `# DP:`.
 """
-import math, time
+import argparse, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import common
-import imagenet_recipe
 
 def train_step(model, optimizer, X, y, amp):
     optimizer.zero_grad(set_to_none=True)
@@ -31,19 +30,19 @@ def train(args):
     device = gpus[0] if gpus else torch.device("cpu")
     if not gpus:
         print("note: no GPU here, so DataParallel runs the model on the CPU as a single device", flush=True)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-    if len(y_train) < args.batch_size:
-        raise SystemExit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
+    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    common.check_batch(args.batch_size, 1, len(train_set), rank=0)
+    train_set = torch.utils.data.TensorDataset(*(t.to(device) for t in train_set.tensors))
+    # the batches of ddp_resnet.py: DistributedSampler's order, here for one process that takes them whole
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, 0, 1, device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    X_train, y_train, X_test, y_test = (t.to(device) for t in (X_train, y_train, X_test, y_test))
 
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
-    net = imagenet_recipe.fashion_resnet18(args.seed).to(device, memory_format=memory_format)
+    net = common.resnet("fashion_resnet18", 10, args.seed).to(device, memory_format=memory_format)
     model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
-    lr = imagenet_recipe.scaled_lr(args.lr, args.batch_size)   # --lr is for 256 samples, as in ddp_resnet.py
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, 5e-4), lr=lr, momentum=0.9)   # as ddp_resnet.py
-    metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(y_test))
+    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples, as in ddp_resnet.py
+    optimizer, _ = common.sgd_recipe(net, lr, 5e-4, 0, 1)   # ddp_resnet.py's optimizer, at a constant rate
+    metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(test_set))
     # DP: each step's forward broadcasts the weights from the first GPU; backward sums the gradients there
     sent = {f"broadcast ({len(gpus)} GPUs)": common.nbytes(*net.parameters(), *net.buffers()),
             f"reduce_add ({len(gpus)} GPUs)": common.nbytes(*net.parameters())} if len(gpus) > 1 else {}
@@ -51,24 +50,20 @@ def train(args):
           f"lr {lr:g} ({args.lr:g} x {args.batch_size}/256), constant", flush=True)
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
-        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(device)   # as ddp_resnet.py
-        last = min(len(batches), (args.max_steps or math.inf) - step)   # where --max-steps may stop this epoch
-        progress = common.Progress(epoch, len(batches), True, last=last)
+        sampler.set_epoch(epoch)
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device)   # summed loss, hits, samples
         net.train()
-        for batch_in_epoch, idx in enumerate(batches, 1):
-            loss_sum, hits = train_step(model, optimizer, X_train[idx].contiguous(memory_format=memory_format),
-                                        y_train[idx], args.amp)
+        for X, y in train_batches:
+            loss_sum, hits = train_step(model, optimizer, X.contiguous(memory_format=memory_format), y, args.amp)
             totals[:2] += torch.stack([loss_sum, hits.float()])
-            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
+            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
-            progress(batch_in_epoch)
             if step == args.max_steps:
                 break
         seconds = timer()
         net.eval()
-        test_acc = common.evaluate(model, X_test, y_test, device)   # DP: the test batches are split too
+        test_acc = common.accuracy(model, common.test_loader(test_set, 0, 1, device), device, 1)   # DP: split too
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
@@ -76,9 +71,20 @@ def train(args):
     return net
 
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256, lr=0.05,
-                           resnet=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=256, help="the batch, split over the GPUs")
+    p.add_argument("--lr", type=common.positive_float, default=0.05,
+                   help="learning rate for 256 samples, scaled linearly with the batch")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
     p.add_argument("--gpus", type=common.positive_int, help="GPUs to use (default: all)")
+    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--out", default="runs/dp_resnet", help="folder for metrics.json, curves.png and model.pt")
     args = p.parse_args(argv)
     if args.gpus and args.gpus > torch.cuda.device_count():
         p.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()}")

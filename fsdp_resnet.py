@@ -1,4 +1,4 @@
-"""ResNet-18 on Fashion-MNIST, or your own image folder, with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
+"""ResNet-18 with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
 gradients and optimizer state.
 
     python fsdp_resnet.py                         # one process, no launcher needed
@@ -6,8 +6,7 @@ gradients and optimizer state.
     torchrun --standalone --nproc_per_node=8 fsdp_resnet.py --data-dir DIR --arch resnet50 --workers 8
     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 fsdp_resnet.py --hsdp
 
-Data, model and learning-rate schedule as in ddp_resnet.py (imagenet_recipe.py); stopping and
-resuming too (faults.py). Copy it with common.py, faults.py and imagenet_recipe.py.
+Data, model, learning-rate schedule, stopping and resuming as in ddp_resnet.py. Copy it with common.py.
 
 The same training as ddp_resnet.py (same batches, same weights after every step), with another
 memory layout. DDP keeps the whole model, its gradients and its optimizer state on every rank and
@@ -19,26 +18,24 @@ With --hsdp the shards are spread over one node's processes only, and the nodes 
 all-reduce their shards' gradients: the sharded traffic stays on the fast links inside a node.
 Lines that exist only because of sharding are tagged `# FSDP:`.
 """
-import math, os, re, shutil, time
+import argparse, math, os, re, shutil, time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 import common
-import faults
-import imagenet_recipe
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
-def save_checkpoint(path, arch, model, optimizer, position, history, rank, device):
-    """torch.distributed.checkpoint: each rank writes its own shards (on storage every node sees);
-    no rank ever holds the whole model. Each checkpoint is a folder of its own, `step-N` inside
-    the folder `path`, written as `step-N.tmp` and renamed when complete; the older ones are
-    deleted only then. At every moment a complete checkpoint exists: a crash leaves at worst a
-    `.tmp` folder (ignored) or two complete ones (the newer is loaded)."""
+def save_checkpoint(path, model, optimizer, scheduler, position, flags, history, rank):
+    """torch.distributed.checkpoint: each rank writes its own shards (on storage every node sees); no
+    rank ever holds the whole model. Each checkpoint is a folder, `step-N` in the folder `path`,
+    written as `step-N.tmp` and renamed when complete; older ones go only then, so a complete
+    checkpoint exists at every moment (a crash leaves at worst a `.tmp` folder, ignored)."""
     # BatchNorm statistics are not sharded: DCP writes each such tensor once, from any one rank,
     # so every rank must hold the same ones: rank 0's, those model.pt holds.
     for buffer in model.buffers():
@@ -50,27 +47,27 @@ def save_checkpoint(path, arch, model, optimizer, position, history, rank, devic
         os.makedirs(path, exist_ok=True)
     dist.barrier()   # FSDP: the folder is clean before anyone writes
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=done + ".tmp")   # FSDP: own shards
-    if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written
-        torch.save({"arch": arch, **position, "history": history, **faults.rng_state(device)},
-                   os.path.join(done + ".tmp", "progress.pt"))
-        faults.sync(os.path.join(done + ".tmp", "progress.pt"))   # DCP syncs its own files
-        shutil.rmtree(done, ignore_errors=True)   # the same step, saved by an earlier run
+    if rank == 0:   # dcp.save returns once every rank's shards and the metadata are written (and synced)
+        progress = {**position, "flags": flags, "history": history, "scheduler": scheduler.state_dict()}
+        common.save_atomically(lambda tmp: torch.save(progress, tmp), os.path.join(done + ".tmp", "progress.pt"))
+        if os.path.exists(done):   # the same step, saved before: set aside, not deleted, until the new one is in
+            os.replace(done, done + ".old")
         os.replace(done + ".tmp", done)
-        faults.sync(path)   # the rename on disk before the older ones go
+        common.sync(path)   # the renames on disk before the older checkpoints go
         for name in os.listdir(path):
-            if re.fullmatch(r"step-\d+(\.tmp)?", name) and name != os.path.basename(done):
+            if re.fullmatch(r"step-\d+(\.tmp|\.old)?", name) and name != os.path.basename(done):
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     dist.barrier()   # FSDP: nobody goes on (or reads the checkpoint) before it is in place
 
 def newest_checkpoint(path):
     """The complete checkpoint of the highest step in the folder `path`, or None."""
-    steps = [name for name in os.listdir(path) if re.fullmatch(r"step-\d+", name)] if os.path.isdir(path) else []
-    return os.path.join(path, max(steps, key=lambda name: int(name[5:]))) if steps else None
+    names = os.listdir(path) if os.path.isdir(path) else []
+    steps = [name for name in names if re.fullmatch(r"step-\d+(\.old)?", name)]   # .old: set aside mid-save
+    return os.path.join(path, max(steps, key=lambda name: (int(name[5:13]), "old" not in name))) if steps else None
 
-def load_checkpoint(path, arch, model, optimizer, device, rank, world_size):
-    """Rank 0 picks the checkpoint and reads its position; every rank then loads its own shards,
-    whatever the world size that wrote them (DCP reshards). Returns the progress (position,
-    history), or None when there is none; errors exit, said once."""
+def load_checkpoint(path, model, optimizer, scheduler, rank, world_size):
+    """Rank 0 picks the newest checkpoint and reads its progress; every rank loads its own shards,
+    whatever the world size that wrote them (DCP reshards). The progress, or None; errors said once."""
     found = [None]
     if rank == 0:
         found[0] = newest_checkpoint(path)
@@ -78,11 +75,7 @@ def load_checkpoint(path, arch, model, optimizer, device, rank, world_size):
             print(f"no checkpoint in {path}: training starts from step 0", flush=True)
         else:
             try:
-                progress = torch.load(os.path.join(found[0], "progress.pt"), map_location="cpu")
-                if not isinstance(progress, dict) or progress.get("arch") != arch:
-                    raise ValueError(f"it holds no {arch} checkpoint" + (f" (it was written for {progress['arch']})"
-                                     if isinstance(progress, dict) and "arch" in progress else ""))
-                found[0] = (found[0], progress)
+                found[0] = (found[0], torch.load(os.path.join(found[0], "progress.pt"), map_location="cpu"))
             except Exception as e:
                 found[0] = f"{found[0]}: {' '.join(str(e).split())[:400]}"
     dist.broadcast_object_list(found, src=0)   # FSDP: every rank loads the checkpoint rank 0 chose
@@ -96,13 +89,13 @@ def load_checkpoint(path, arch, model, optimizer, device, rank, world_size):
             state = {"model": model_state, "optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=folder)   # FSDP: own shards, resharded to this world size
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            scheduler.load_state_dict(progress["scheduler"])
         except Exception as e:
             error = f"{folder}: {' '.join(str(e).split())[:400]} (rank {rank})"
     errors = [None] * world_size
     dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
-    faults.restore_rng(progress, device)
     return progress
 
 def full_state_dict(model):
@@ -132,7 +125,7 @@ def device_mesh(device, world_size, processes_here, hsdp):
         raise SystemExit(f"error: --hsdp needs the same number of processes on every node ({world_size} ranks, "
                          f"{processes_here} on this node)")
     return init_device_mesh(device.type, (world_size // processes_here, processes_here),   # rows: nodes (torchrun
-                            mesh_dim_names=("replicate", "shard"))                       # numbers a node's ranks in a row)
+                            mesh_dim_names=("replicate", "shard"))   # (torchrun numbers a node's ranks in a row)
 
 def parameter_dtype(unit, amp):
     """The dtype `shard` gathers a unit's parameters in: bf16 with --amp, but BatchNorm's fp32."""
@@ -183,72 +176,66 @@ def shard(net, mesh, amp):
 # ---------------------------------------------------------------- training
 def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), gloo between CPUs
-    if backend == "nccl":
-        common.check_gpu_count(processes_here, rank=rank)   # FSDP: one GPU per process
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        common.share_cores(processes_here)
-    # FSDP: join the group the way torchrun documents it, with one change: the wait for every rank has a
-    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
-    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # FSDP: wait for all ranks
-                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
+    device = common.pick_device(backend)   # FSDP: one GPU per process
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # FSDP: all ranks
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # FSDP: rank 0 alone prints and writes
+    if master:
+        common.check_out_dir(args.out)
+    train_set, test_set, arch, classes = common.datasets(args, rank, world_size, device)   # as ddp_resnet.py
+    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
+                                                 args.workers)   # FSDP: this rank's 1/W of each global batch
+    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
+    steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    data = imagenet_recipe.load_data(args, rank, world_size, device, memory_format, master)   # as ddp_resnet.py
-    global_batch = data.train.global_batch
-    rank_batch = global_batch // world_size
 
-    net = imagenet_recipe.make_model(data.arch, data.classes, args.seed).to(device, memory_format=memory_format)
-    mesh = device_mesh(device, world_size, processes_here, args.hsdp)
+    net = common.resnet(arch, classes, args.seed).to(device, memory_format=memory_format)
+    mesh = device_mesh(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.hsdp)
     model = shard(net, mesh, args.amp)
-    lr = imagenet_recipe.scaled_lr(args.lr, global_batch)   # --lr is for 256 samples
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(model, args.weight_decay), lr=lr, momentum=0.9)
-    steps_per_epoch = len(data.train)
-    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                            steps_per_epoch * args.epochs, args.schedule)
-    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(), world_size,
-                                 data.test_samples)
-    drawn_from = {"global batch": global_batch, "seed": args.seed, "training samples": data.train.num_samples}
-    recipe = imagenet_recipe.recipe_of(args)   # the flags a resume may change (said, applied from there)
+    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
+    optimizer, scheduler = common.sgd_recipe(model, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
+                                             steps_per_epoch * args.epochs)
+    metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
+    flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    saved = load_checkpoint(args.checkpoint, data.arch, model, optimizer, device, rank, world_size) if args.resume else None
+    saved = load_checkpoint(args.checkpoint, model, optimizer, scheduler, rank, world_size) if args.resume else None
+    final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     if saved:
-        position = faults.resume_position(saved, drawn_from, recipe, args, steps_per_epoch, master)
-        metrics["epochs"] = saved["history"]
+        position = common.resume_position(saved, flags, args.checkpoint, steps_per_epoch, args.max_steps,
+                                          steps_per_epoch * args.epochs, master)
         if position is None:   # nothing left to train
             dist.destroy_process_group()   # FSDP: leave cleanly
             return None
-        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, position["step"])
-    final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
-    def save(here):   # FSDP: every rank writes its own shards
-        save_checkpoint(args.checkpoint, data.arch, model, optimizer, here, metrics["epochs"], rank, device)
-    checkpoints = faults.Checkpointing(save, args.checkpoint, args.checkpoint_every, drawn_from, final_step, master,
-                                       recipe)   # FSDP: all ranks stop at the same step
+        metrics["epochs"] = saved["history"]
+    def save(epoch, batch_in_epoch, totals, seconds):   # FSDP: every rank writes its own shards
+        partial = totals.clone()
+        dist.all_reduce(partial)   # FSDP: every rank's sums so far in this epoch
+        here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
+                "seconds": seconds}
+        save_checkpoint(args.checkpoint, model, optimizer, scheduler, here, flags, metrics["epochs"], rank)
+        if master:
+            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+    stop = common.StopSignal(args.checkpoint)   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step
     if master:
-        print(f"fsdp_resnet: {data.arch}, {world_size} rank(s) on {device} ({dist.get_backend()}), global batch "
-              f"{global_batch} = {world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
+        print(f"fsdp_resnet: {arch}, {world_size} rank(s) on {device} ({backend}), global batch {args.batch_size} = "
+              f"{world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
               f"{f' in each of {mesh.size(0)} replicas (HSDP)' if args.hsdp else ''}, lr {lr:g} "
-              f"({args.lr:g} x {global_batch}/256), {args.schedule} after {args.warmup_epochs:g} warm-up epochs",
-              flush=True)
+              f"({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
-        if step >= final_step:   # --max-steps reached at the end of the last epoch
-            break
-        batches = len(data.train)
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        last = min(batches, done + final_step - step)   # where --max-steps may stop this epoch
-        progress = common.Progress(epoch, batches, master, first=done, last=last)
+        sampler.set_epoch(epoch, start=done)   # FSDP: a new order each epoch, the same on every rank
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
-        # Summed loss, hits, samples; after a mid-epoch restart rank 0 carries all ranks' sums so far.
+        # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
         totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        batch_in_epoch = done
         model.train()
-        for batch_in_epoch, (X, y) in enumerate(data.train.epoch(epoch, done, last), done + 1):   # this rank's share
+        for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+            y = y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             logits = model(X)                        # FSDP: all-gather each stage's parameters in turn
             loss = F.cross_entropy(logits.float(), y)
@@ -258,23 +245,29 @@ def train(args):
             totals[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum().float()])
             totals[2] += len(y)
             step += 1
-            progress(batch_in_epoch)
-            if checkpoints.after_step(epoch, batch_in_epoch, batches, step, totals, timer):   # FSDP: a stop, agreed
-                dist.destroy_process_group()   # FSDP: every rank stops after this same step, its shards written
-                raise SystemExit(faults.PREEMPTED)   # 75: not finished, nothing failed; --resume goes on
+            epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
+            signalled = stop.agreed(now=epoch_end) if step < final_step else None   # FSDP: one answer on all ranks
+            every = args.checkpoint_every and step % args.checkpoint_every == 0
+            if signalled or (not epoch_end and (every or step == final_step)):
+                save(epoch, batch_in_epoch, totals, timer())
+            if signalled:   # FSDP: every rank stops after this same step, its shards written
+                dist.destroy_process_group()   # FSDP: leave, then exit 75
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+            if step == final_step:
+                stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
+                break
         seconds = timer()
-        if last < batches:   # stopped by --max-steps inside the epoch: a checkpoint of here
-            checkpoints.save(epoch, last, step, totals, seconds, batches)
         dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
         for buffer in model.buffers():   # BatchNorm statistics: rank 0's, those model.pt holds
             dist.broadcast(buffer, src=0)   # FSDP: BatchNorm buffers are not sharded; each rank updated its own
         model.eval()
-        test_acc = data.evaluate(model)   # FSDP: every rank the same number of forwards (each gathers weights)
+        test_acc = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
-        if last < batches:
+        if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
+            save(epoch + 1, 0, torch.zeros(3, device=device), 0.0)
+        if step == final_step:
             break
-        checkpoints.epoch_done(epoch, step)
-    checkpoints.close()
+    stop.close()
     held = [None] * world_size
     dist.all_gather_object(held, bytes_held(model, optimizer))   # FSDP: what each rank holds
     state = full_state_dict(model)
@@ -282,26 +275,46 @@ def train(args):
         metrics["bytes_per_rank"] = held
         mb = lambda key: f"{held[0][key] / 1e6:.1f}"
         print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
-              f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which "
-              f"DDP keeps on every rank)", flush=True)
+              f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, "
+              f"all of which DDP keeps on every rank)", flush=True)
         common.finish(metrics, step, time.perf_counter() - start, state, bytes_sent_per_step(model, mesh, args.amp))
     dist.destroy_process_group()   # FSDP: leave cleanly
     return state
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
-                                                            lr=0.05, resnet=True, distributed=True, folders=True))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
+    p.add_argument("--lr", type=common.positive_float, default=0.05,
+                   help="learning rate for 256 samples, scaled linearly with the global batch")
+    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
+                   help="raise the learning rate linearly from ~0 over these epochs")
+    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
+                   help="on convolution and linear weights (none on BatchNorm and biases)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
+    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
+                   "train/ and val/, one subfolder of images per class")
+    p.add_argument("--arch", help="image folders: a torchvision model (default resnet18)")
+    p.add_argument("--image-size", type=common.positive_int, help="image folders: resized and cropped to this "
+                   "(224; fashion_resnet18: 28)")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="image folders: DataLoader workers")
+    p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
+    p.add_argument("--train-samples", type=common.positive_int, help="Fashion-MNIST: only the first N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="Fashion-MNIST: only the first N test images")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's --nproc_per_node), "
-                                                       "replicate across nodes: only an all-reduce crosses them")
-    p.add_argument("--checkpoint", help="checkpoint folder (one file per rank in it), written after every epoch, every "
-                                        "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
-                                        "(default: <out>/checkpoint)")
-    p.add_argument("--checkpoint-every", type=common.positive_int,
-                   help="also write the checkpoint every N optimizer steps, inside epochs")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from the newest checkpoint in --checkpoint, mid-epoch too, at any world size; "
-                        "without one, start at step 0")
+                   "replicate across nodes: only an all-reduce crosses them")
+    p.add_argument("--out", default="runs/fsdp_resnet", help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--checkpoint", help="checkpoint folder (each rank writes its shards), written after every "
+                   "epoch, every --checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
+                   "(default: <out>/checkpoint)")
+    p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs")
+    p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint, "
+                   "mid-epoch too, at any world size with the same flags; without one, start at step 0")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
     return args
@@ -309,7 +322,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python fsdp_resnet.py`: a group of one
-    with faults.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
         return train(args)
 
 if __name__ == "__main__":

@@ -32,16 +32,14 @@ step's loss sums in the same message. No overlap with backward: the same overlap
 starting each bucket's allreduce) did not pay on 2 CPU cores; benchmarks/README.md has the figures.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
-import contextlib, datetime, json, math, os, selectors, signal, socket, sys, threading, time, zlib
+import argparse, contextlib, datetime, json, math, os, selectors, signal, socket, sys, threading, time, zlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import common
-import faults
-import imagenet_recipe
 
-RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "arch", "epochs", "max_steps", "lr", "weight_decay",
-             "schedule", "warmup_epochs", "amp")   # what every member must share: the training itself
+RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "max_steps", "lr", "weight_decay",
+             "warmup_epochs", "amp")   # what every member must share: the training itself
 
 # ---------------------------------------------------------------- the coordinator: membership, quorums, commits
 def serve(args):
@@ -91,8 +89,8 @@ def serve(args):
             differ = [f"--{k.replace('_', '-')} {message['flags'].get(k)} here, {v} in the run"
                       for k, v in run.items() if k in RUN_FLAGS and message["flags"].get(k) != v]
             if differ:
-                send(member, {"refused": f"error: this member's training flags differ from the run's ({'; '.join(differ)}): "
-                                         f"start it with the run's flags"})
+                send(member, {"refused": f"error: this member's training flags differ from the run's "
+                                         f"({'; '.join(differ)}): start it with the run's flags"})
                 return
             member.update(joined=True, flags=message["flags"])
             send(member, {"id": member_id, "store_port": store_port, "run": run})
@@ -174,8 +172,9 @@ class Coordinator:
                 break
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"error: no coordinator at {host}:{port} within {init_timeout:g} s ({e.strerror or e}); "
-                                     f"start one with: python ft_ddp_resnet.py --serve {host}:{port}") from None
+                    raise SystemExit(f"error: no coordinator at {host}:{port} within {init_timeout:g} s "
+                                     f"({e.strerror or e}); start one with: python ft_ddp_resnet.py --serve "
+                                     f"{host}:{port}") from None
                 time.sleep(0.2)
         self.sock.settimeout(None)
         # Small messages leave at once: with Nagle's algorithm a request sent just after a heartbeat
@@ -314,71 +313,79 @@ def recover(net, optimizer, progress, src):
     return box[0]
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
-def save_checkpoint(path, net, optimizer, position):
-    state = {"arch": "fashion_resnet18", **position, "model": net.state_dict(), "optimizer": optimizer.state_dict()}
-    faults.save_atomically(lambda tmp: torch.save(state, tmp), path)
+def save_checkpoint(path, net, optimizer, scheduler, position):
+    state = {**position, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict()}
+    common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
-def load_checkpoint(path, net, optimizer):
+def load_checkpoint(path, net, optimizer, scheduler):
     """This member's own checkpoint, or None; a file it cannot use ends it with one line."""
     if not os.path.exists(path):
         print(f"no checkpoint at {path}: this member starts from step 0 (or from its peers)", flush=True)
         return None
     try:
         state = torch.load(path, map_location="cpu")
-        missing = {"step", "epoch", "batch_in_epoch", "totals", "history", "seconds", "drawn_from"} - state.keys()
+        missing = {"step", "totals", "history", "seconds", "flags", "scheduler"} - state.keys()
         if missing:
             raise ValueError(f"it lacks {', '.join(sorted(missing))}")
         net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         return state
     except Exception as e:   # a foreign pickle can raise anything: say which file and why
         raise SystemExit(f"error: cannot resume from {path}: {' '.join(str(e).split())[:300]}") from None
 
+def global_batch(num_samples, batch_size, seed, epoch, batch_in_epoch):
+    """The samples of one global batch, in DistributedSampler's order: the batches the other scripts draw."""
+    sampler = torch.utils.data.DistributedSampler(range(num_samples), num_replicas=1, rank=0, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    return torch.tensor(list(sampler)[batch_in_epoch * batch_size:(batch_in_epoch + 1) * batch_size])
+
+def schedule_at(scheduler, step):   # FT: the learning rate of `step`, for a member that took a peer's state
+    scheduler.last_epoch = step - 1
+    scheduler.step()
+
 # ---------------------------------------------------------------- a member
 def train(args):
     host, port = args.join
-    device = torch.device("cpu")   # FT: gloo between CPUs; see the README on GPUs
-    common.share_cores(1)
-    if args.arch not in (None, "fashion_resnet18") or imagenet_recipe.data_kind(args.data_dir) == "folder":
-        raise SystemExit("error: ft_ddp_resnet.py trains fashion_resnet18 on Fashion-MNIST held in memory; for an image "
-                         "folder or another --arch, use ddp_resnet.py")
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    device = common.pick_device("gloo")   # FT: gloo between CPUs; see the README on GPUs
+    if os.path.isdir(os.path.join(args.data_dir, "train")):
+        raise SystemExit("error: ft_ddp_resnet.py trains on Fashion-MNIST held in memory; for an image folder, use "
+                         "ddp_resnet.py")
+    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    X_train, y_train = train_set.tensors
     if args.batch_size % args.micro_batch:
         raise SystemExit(f"error: --micro-batch {args.micro_batch} does not divide --batch-size {args.batch_size}")
     if len(y_train) < args.batch_size:
         raise SystemExit(f"error: {len(y_train)} training images are fewer than one global batch of {args.batch_size}")
-    net = imagenet_recipe.fashion_resnet18(args.seed).to(device)
-    lr = imagenet_recipe.scaled_lr(args.lr, args.batch_size)
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, args.weight_decay), lr=lr, momentum=0.9)
+    net = common.resnet("fashion_resnet18", 10, args.seed).to(device)
+    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
+    steps_per_epoch = len(y_train) // args.batch_size
+    optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
+                                             steps_per_epoch * args.epochs)
     for p in net.parameters():   # a momentum of zeros steps as none does; every member then holds the same tensors
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     message = message_buffer(net)
-    steps_per_epoch = len(y_train) // args.batch_size
-    scheduler = imagenet_recipe.lr_schedule(optimizer, round(args.warmup_epochs * steps_per_epoch),
-                                            steps_per_epoch * args.epochs, args.schedule)
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
-    metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(y_test))
+    metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
     labels = zlib.crc32(y_train.numpy().tobytes())
     flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {labels}",
              "member_timeout": args.member_timeout, "min_members": args.min_members}
-    # A resume as the other scripts do it: other batches refused inside an epoch, another --lr (...) said
-    drawn_from = {"global batch": args.batch_size, "seed": args.seed, "training samples": len(y_train), "labels crc": labels}
-    recipe = imagenet_recipe.recipe_of(args)
-    state = load_checkpoint(args.checkpoint, net, optimizer) if args.resume else None
-    if state:
-        position = faults.resume_position(state, drawn_from, recipe, args, steps_per_epoch, master=True)
-        if position is None:   # nothing left to train
+    state = load_checkpoint(args.checkpoint, net, optimizer, scheduler) if args.resume else None
+    if state:   # a resume as the other scripts do it: the same training flags, or refused in one line
+        common.resume_check(state["flags"], {**vars(args), "data": flags["data"]}, args.checkpoint, True,
+                            may_differ=("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
+                                        "init_timeout", "data_dir", "test_samples", "min_members", "member_timeout"))
+        progress = {k: state[k] for k in progress}
+        print(f"resumed from {args.checkpoint}: step {progress['step']}", flush=True)
+        if progress["step"] >= final_step:
+            print(f"nothing to train: {args.checkpoint} is at step {progress['step']}", flush=True)
             return net
-        progress = {"step": position["step"], "totals": position["totals"], "history": state["history"],
-                    "seconds": position["seconds"]}
-        imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
 
-    def checkpoint():   # this member's own, for restarts of the whole job: where it is, what its batches are
-        step = progress["step"]
-        save_checkpoint(args.checkpoint, net, optimizer, {**progress, "epoch": step // steps_per_epoch + 1,
-                        "batch_in_epoch": step % steps_per_epoch, "drawn_from": drawn_from, "recipe": recipe})
+    def checkpoint():   # this member's own, for restarts of the whole job: where it is, with which flags
+        save_checkpoint(args.checkpoint, net, optimizer, scheduler,
+                        {**progress, "flags": {**vars(args), "data": flags["data"]}})
     common.check_out_dir(args.out)
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM"))
@@ -393,7 +400,7 @@ def train(args):
     def leave(line, status):   # FT: this member stops; the others go on without it
         checkpoint()
         print(f"member {coordinator.id}: {line}; checkpoint of step {progress['step']} written to {args.checkpoint}; "
-              f"exit status {status}", file=sys.stderr if status != faults.PREEMPTED else sys.stdout, flush=True)
+              f"exit status {status}", file=sys.stderr if status != common.PREEMPTED else sys.stdout, flush=True)
         raise SystemExit(status)
 
     def rejoin(why):   # FT: told it had been dropped: it joins again, as a newcomer
@@ -410,11 +417,11 @@ def train(args):
         step = progress["step"]
         if stop["signal"] and not counted:   # (counted in this step's quorum: the others wait for it; it goes after)
             coordinator.close()
-            leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", faults.PREEMPTED)
+            leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", common.PREEMPTED)
         try:   # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
             quorum = coordinator.receive() if counted else coordinator.ask({"op": "ready", "step": step})
         except CoordinatorLost as e:
-            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", faults.PREEMPTED)
+            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", common.PREEMPTED)
         if "dropped" in quorum:   # FT: it hung past --member-timeout; the others went on without it
             coordinator, store, gen = rejoin(quorum["dropped"])
             counted = False
@@ -428,7 +435,7 @@ def train(args):
             if dist.is_initialized():   # FT: the last generation's group goes
                 dist.destroy_process_group()   # FT: before this one's is made
             try:
-                dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,   # FT: this generation's
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,   # FT: its own
                                         world_size=world_size, timeout=datetime.timedelta(seconds=args.member_timeout))
             except (RuntimeError, dist.DistError):
                 ok, gen = False, None
@@ -438,7 +445,7 @@ def train(args):
             ok = recovered is not None
             if ok and steps[rank] < max(steps):
                 progress = recovered
-                imagenet_recipe.continue_schedule(optimizer, scheduler, lr, args.weight_decay, progress["step"])
+                schedule_at(scheduler, progress["step"])
                 timer = common.Timer(device, already=progress["seconds"])
                 print(f"member {coordinator.id}: recovered live from member {quorum['members'][src]} at step "
                       f"{progress['step']}", flush=True)
@@ -446,7 +453,7 @@ def train(args):
         kept = [b.clone() for b in buffers_of(net)]   # FT: running statistics as committed, should the step fail
         if ok:
             epoch, batch_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
-            idx = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch)[batch_in_epoch]
+            idx = global_batch(len(y_train), args.batch_size, args.seed, epoch, batch_in_epoch)
             mine = my_micro_batches(args.batch_size // args.micro_batch, rank, world_size)   # FT: this member's share
             net.train()
             totals = compute(net, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
@@ -458,7 +465,7 @@ def train(args):
         try:
             commit = coordinator.ask({"op": "vote", "step": step, "ok": ok, "next": counted})
         except CoordinatorLost as e:
-            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", faults.PREEMPTED)
+            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", common.PREEMPTED)
         if "dropped" in commit:
             for b, committed in zip(buffers_of(net), kept):
                 b.copy_(committed)
@@ -479,7 +486,7 @@ def train(args):
                     "history": progress["history"], "seconds": timer()}
         if progress["step"] % steps_per_epoch == 0 or progress["step"] == final_step:   # an epoch's end: evaluate here
             net.eval()
-            test_acc = common.evaluate(net, X_test, y_test, device)   # every member holds the same weights
+            test_acc = common.accuracy(net, common.test_loader(test_set, 0, 1, device), device, 1)   # all alike
             metrics["epochs"] = progress["history"]
             common.record_epoch(metrics, epoch, torch.tensor(progress["totals"]), progress["seconds"], test_acc, True)
             progress = {"step": progress["step"], "totals": [0.0] * 3, "history": metrics["epochs"], "seconds": 0.0}
@@ -503,10 +510,26 @@ def address(text):
     return host, int(port)
 
 def parse_args(argv=None):
-    p = imagenet_recipe.add_recipe_flags(common.base_parser(__file__, __doc__.splitlines()[0], epochs=5, batch_size=256,
-                                                            lr=0.05, resnet=True, distributed=True))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all members")
+    p.add_argument("--lr", type=common.positive_float, default=0.05,
+                   help="learning rate for 256 samples, scaled linearly with the global batch")
+    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
+                   help="raise the learning rate linearly from ~0 over these epochs")
+    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
+                   help="on convolution and linear weights (none on BatchNorm and biases)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
+    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
+    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+    p.add_argument("--out", default="runs/ft_ddp_resnet", help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300,
+                   help="seconds to wait for the coordinator")
     role = p.add_mutually_exclusive_group(required=True)
-    role.add_argument("--serve", type=address, metavar="HOST:PORT", help="run the coordinator there (it trains nothing)")
+    role.add_argument("--serve", type=address, metavar="HOST:PORT", help="run the coordinator there (trains nothing)")
     role.add_argument("--join", type=address, metavar="HOST:PORT", help="train as a member of the run served there")
     p.add_argument("--micro-batch", type=common.positive_int, default=32,
                    help="the fixed size of the micro-batches each global batch is cut into and shared out")
@@ -517,7 +540,7 @@ def parse_args(argv=None):
                                         "<out>/checkpoint.pt), written on SIGTERM, every --checkpoint-every steps "
                                         "and when the coordinator is lost")
     p.add_argument("--checkpoint-every", type=common.positive_int, help="also write it every N committed steps")
-    p.add_argument("--resume", action="store_true", help="start from --checkpoint (then from the member furthest ahead)")
+    p.add_argument("--resume", action="store_true", help="start from --checkpoint (then from the member ahead)")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args

@@ -99,60 +99,67 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=l
 # ---------------------------------------------------------------- training
 def train(args, devices):
     common.check_out_dir(args.out)
-    data = common.load_fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-    if len(y_train) < args.batch_size:
-        sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
+    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    common.check_batch(args.batch_size, 1, len(train_set), rank=0)
     # The training set lives on the first device (188 MB on a GPU): a step then gathers its batch
     # there, instead of on the CPU followed by a copy to the GPU.
-    X_train, y_train = X_train.to(devices[0]), y_train.to(devices[0])
+    train_set = torch.utils.data.TensorDataset(*(t.to(devices[0]) for t in train_set.tensors))
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, 0, 1, devices[0])
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     replicas = [get_params(init_params(args.seed), d, layout) for d in devices]   # all equal
     velocities = [[torch.zeros_like(p) for p in W] for W in replicas]   # momentum, in every replica
     forward = torch.compile(lenet) if args.compile else lenet
-    metrics = common.new_metrics(__file__, args, devices, "hand-written allreduce", 1, len(y_test))
+    metrics = common.new_metrics(__file__, args, devices, "hand-written allreduce", 1, len(test_set))
     print(f"scratch_lenet: {metrics['layout']} on {devices[0]} (hand-written allreduce), "
           f"global batch {args.batch_size}", flush=True)
-    total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
+    total_steps = min(args.epochs * (len(train_set) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
     SENT.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
-        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
-        progress = common.Progress(epoch, len(batches), True, last=min(len(batches), total_steps - step))
+        sampler.set_epoch(epoch)   # a new order each epoch
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
-        for batch_in_epoch, idx in enumerate(batches, 1):
+        for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
-            loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
-                                     args.batch_size, forward)
+            loss, hits = train_batch(X, y, replicas, velocities, devices, lr, args.batch_size, forward)
             totals[:2] += torch.stack([loss, hits.float()])
-            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
+            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
-            progress(batch_in_epoch)
             if step == args.max_steps:
                 break
         seconds = timer()
-        test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0])
+        test_batches = common.test_loader(test_set, 0, 1, devices[0])
+        test_acc = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], 1)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
         if step == args.max_steps:
             break
     common.finish(metrics, step, time.perf_counter() - start,
-                  {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])}, {k: v / step for k, v in SENT.items()})
+                  {name: p.contiguous() for name, p in zip(PARAM_NAMES, replicas[0])},
+                  {k: v / step for k, v in SENT.items()})
     return replicas
 
 # ---------------------------------------------------------------- command line
 def add_lenet_flags(p):
-    """The flags of the LeNet itself, which scratch_ring.py shares."""
+    """The flags of the training itself, which scratch_ring.py shares."""
+    p.add_argument("--epochs", type=common.positive_int, default=10, help="passes over the training set")
+    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all replicas")
+    p.add_argument("--lr", type=common.positive_float, default=0.05, help="learning rate, decayed linearly to 0")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
+    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
+    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the forward pass (needs a C++ compiler on CPU; see the README)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="NHWC layout for the convolutions (default: on; faster on CPU, see the README)")
 
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=10, batch_size=256, lr=0.05)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=common.positive_int,
                    help="replicas in this process (default: every GPU, else 2 on the CPU)")
     add_lenet_flags(p)
+    p.add_argument("--out", default="runs/scratch_lenet", help="folder for metrics.json, curves.png and model.pt")
     args = p.parse_args(argv)
     if args.devices and torch.cuda.is_available() and args.devices > torch.cuda.device_count():
         p.error(f"--devices {args.devices}: only {torch.cuda.device_count()} GPUs here")
@@ -185,7 +192,8 @@ def main(argv=None):
         devices = [torch.device("cuda", i) for i in range(args.devices)]
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
-        common.share_cores(args.devices)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.devices))
         keep_freed_memory()
     return train(args, devices)
 

@@ -13,12 +13,11 @@ The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet
 file adds exists only because there are several processes, and lines of the training that exist
 only for that reason are tagged `# RING:`.
 """
-import collections, math, os, sys, threading, time
+import argparse, collections, math, os, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import common
-import faults
 from scratch_lenet import (PARAM_NAMES, REPLICA_THREADS, add_lenet_flags, allreduce, get_params, init_params, lenet,
                            replica_step, sgd, split_batch)
 
@@ -183,11 +182,11 @@ def train(args, devices, rank, world_size):
     master = rank == 0   # RING: process 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    data = faults.fashion_mnist_on_every_node(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
-    if len(y_train) < args.batch_size:
-        sys.exit(f"error: --batch-size {args.batch_size} is larger than the {len(y_train)} training images")
-    X_train, y_train = X_train.to(devices[0]), y_train.to(devices[0])
+    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+    common.check_batch(args.batch_size, world_size, len(train_set), rank)
+    train_set = torch.utils.data.TensorDataset(*(t.to(devices[0]) for t in train_set.tensors))
+    # RING: this process's 1/W of each global batch (DistributedSampler), a new order each epoch
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, devices[0])
     # Every process starts from the same seed, so all replicas start equal.
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     replicas = [get_params(init_params(args.seed), d, layout) for d in devices]
@@ -201,7 +200,7 @@ def train(args, devices, rank, world_size):
     overlap = OverlappedAllreduce(replicas, rank, world_size, args.bucket_kb * 1024) if args.overlap else None
     forward = torch.compile(lenet) if args.compile else lenet
     backend = f"{dist.get_backend()} send/recv"
-    metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(y_test))
+    metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(test_set))
     metrics["optimizer_state_bytes"] = sum(v.numel() * v.element_size() for v in held)   # this process's
     if master:
         mode = (", gradients sent during backward in %d buckets" % len(overlap.buckets) if overlap else
@@ -214,23 +213,20 @@ def train(args, devices, rank, world_size):
                   f"where every replica keeps {model_bytes:,} without --zero; each process sends "
                   f"2(W-1)/W = {2 * (world_size - 1) / world_size:.2f} x the model's bytes per step, as the "
                   f"allreduce does", flush=True)
-    total_steps = min(args.epochs * (len(y_train) // args.batch_size), args.max_steps or math.inf)
+    total_steps = min(args.epochs * (len(train_set) // args.batch_size), args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
     SENT.clear()
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
-        batches = common.epoch_batches(len(y_train), args.batch_size, args.seed, epoch).to(devices[0])
-        progress = common.Progress(epoch, len(batches), master, last=min(len(batches), total_steps - step))
+        sampler.set_epoch(epoch)   # RING: the same new order on every process
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
-        for batch_in_epoch, idx in enumerate(batches, 1):
-            idx = idx.tensor_split(world_size)[rank]   # RING: this process's share of the global batch
+        for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
-            loss, hits = train_batch(X_train[idx], y_train[idx], replicas, velocities, devices, lr,
-                                     args.batch_size, rank, world_size, forward, overlap, args.zero)
+            loss, hits = train_batch(X, y, replicas, velocities, devices, lr, args.batch_size, rank, world_size,
+                                     forward, overlap, args.zero)
             totals[:2] += torch.stack([loss, hits.float()])
-            totals[2] += len(idx)   # a Python number: no host-to-device copy (a GPU sync) per step
+            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
-            progress(batch_in_epoch)
             if step == args.max_steps:
                 break
         seconds = timer()
@@ -238,8 +234,8 @@ def train(args, devices, rank, world_size):
             in_steps = SENT.copy()   # what the totals' exchange sends is not a training step's
             ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
             SENT.clear(), SENT.update(in_steps)
-        test_acc = common.evaluate(lambda X: lenet(X, replicas[0]), X_test, y_test, devices[0],
-                                   rank, world_size)
+        test_batches = common.test_loader(test_set, rank, world_size, devices[0])
+        test_acc = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if step == args.max_steps:
             break
@@ -251,8 +247,7 @@ def train(args, devices, rank, world_size):
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv=None):
-    p = common.base_parser(__file__, __doc__.splitlines()[0], epochs=10, batch_size=256, lr=0.05,
-                           distributed=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=common.positive_int, default=1,
                    help="replicas in each process (on GPUs, process r drives GPUs r*K .. r*K+K-1 of its node)")
     p.add_argument("--overlap", action="store_true",
@@ -262,6 +257,8 @@ def parse_args(argv=None):
     p.add_argument("--zero", action="store_true",
                    help="each process updates 1/W of the parameters and keeps 1/W of the optimizer state (ZeRO)")
     add_lenet_flags(p)
+    p.add_argument("--out", default="runs/scratch_ring", help="folder for metrics.json, curves.png and model.pt")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     if args.overlap and args.zero:
         p.error("--overlap and --zero: choose one (this ZeRO sends its two halves after backward)")
@@ -275,24 +272,14 @@ def main(argv=None):
     torch.backends.cudnn.allow_tf32 = False   # float32 convolutions, as in scratch_lenet.py
     common.default_to_one_process()   # plain `python scratch_ring.py`: a group of one
     # RING: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size, processes_here = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = common.pick_backend()   # RING: NCCL between GPUs (on Linux), gloo between CPUs
-    if backend == "nccl":
-        common.check_gpu_count(processes_here, gpus_each=args.devices, rank=rank)   # RING: K = --devices GPUs each
-        device = torch.device("cuda", local_rank * args.devices)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        common.share_cores(processes_here)
-    # RING: join the group the way torchrun documents it, with one change: the wait for every rank has a
-    # bound of its own (--init-timeout), as init_process_group's `timeout` bounds every collective too (there, 2 s
-    # ended an allreduce whose peer came 4 s late: gloo, 2026-11-24), and ranks wait on each other mid-run.
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout),   # RING: wait for all ranks
-                            rank=rank, world_size=world_size, device_id=device if backend == "nccl" else None)
+    device = common.pick_device(backend, gpus_each=args.devices)   # RING: K = --devices GPUs each
+    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # RING: all ranks
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
     devices = ([torch.device("cuda", device.index + i) for i in range(args.devices)]
                if device.type == "cuda" else [device] * args.devices)
-    with faults.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
         try:
             return train(args, devices, rank, world_size)
         finally:
