@@ -7,8 +7,6 @@ import pytest
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 import common
-import faults
-import imagenet_recipe
 import ddp_resnet
 import ddp_toy
 import dp_resnet
@@ -20,7 +18,7 @@ from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, RESNET, SMALL, TOY, assert
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))
-RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
+RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- common.py
 def test_backend_is_nccl_only_with_cuda_on_linux():
@@ -29,37 +27,15 @@ def test_backend_is_nccl_only_with_cuda_on_linux():
     assert common.pick_backend(cuda=False, platform="linux") == "gloo"
 
 
-def test_progress_counts_down_to_where_this_run_stops(monkeypatch, capsys):
-    """ETA to --max-steps (last), at the rate of the batches this run did (after `first`)."""
-    clock = iter([100.0, 105.0])
-    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
-    progress = common.Progress(epoch=2, batches=100, enabled=True, first=20, last=30, every=0)
-    progress(25)   # 5 batches in 5 s, 5 to go
-    assert capsys.readouterr().out == "  epoch 2 batch 25/100  ETA 5 s\n"
-
-
-def test_rng_restore_sets_this_ranks_gpu_only(monkeypatch):
-    """A checkpoint written on a GPU: the state goes to this rank's GPU; on a CPU, nowhere."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(device))
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: calls.append("all"))
-    state = {"cpu_rng": torch.get_rng_state(), "cuda_rng": torch.zeros(16, dtype=torch.uint8)}
-    faults.restore_rng(state, torch.device("cpu"))
-    assert calls == []
-    faults.restore_rng(state, torch.device("cuda", 1))
-    assert calls == [torch.device("cuda", 1)]
-
-
 def test_fashion_mnist_is_the_real_data():
-    data = common.load_fashion_mnist(DATA)
-    (X_train, y_train), (X_test, y_test) = data["train"], data["test"]
+    (X_train, y_train), (X_test, y_test) = (d.tensors for d in common.fashion_mnist(DATA))
     assert X_train.shape == (60000, 1, 28, 28) and X_test.shape == (10000, 1, 28, 28)
     assert torch.bincount(y_train).tolist() == [6000] * 10
     assert torch.bincount(y_test).tolist() == [1000] * 10
     assert abs(X_train.mean().item()) < 0.01 and abs(X_train.std().item() - 1) < 0.01
 
 
-def test_debian_copy_is_used_when_download_fails(tmp_path, monkeypatch):
+def test_debian_files_are_used_when_download_fails(tmp_path, monkeypatch):
     debian = tmp_path / "debian"
     debian.mkdir()
     for name in common.FILES:
@@ -68,7 +44,7 @@ def test_debian_copy_is_used_when_download_fails(tmp_path, monkeypatch):
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
     assert common.prepare_fashion_mnist(str(tmp_path / "data")) is None
-    assert len(common.load_fashion_mnist(str(tmp_path / "data"))["test"][1]) == 10000
+    assert len(common.fashion_mnist(str(tmp_path / "data"))[1]) == 10000
 
 
 def test_missing_data_offline_says_what_to_do(tmp_path):
@@ -103,13 +79,23 @@ def test_truncated_data_file_is_named(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_batches_do_not_depend_on_world_size():
-    a = common.epoch_batches(1000, 64, seed=3, epoch=1)
-    assert a.shape == (15, 64) and len(set(a.flatten().tolist())) == 960
-    assert torch.equal(a, common.epoch_batches(1000, 64, seed=3, epoch=1))
-    assert not torch.equal(a, common.epoch_batches(1000, 64, seed=3, epoch=2))
-    shards = [a.tensor_split(3, dim=1)[r] for r in range(3)]   # what 3 ranks take
-    assert torch.equal(torch.cat(shards, dim=1), a)
+def rank_batches(samples, global_batch, rank, world_size, epoch, start=0):
+    dataset = torch.utils.data.TensorDataset(torch.arange(samples))
+    loader, sampler = common.train_loader(dataset, global_batch, 3, rank, world_size, torch.device("cpu"))
+    sampler.set_epoch(epoch, start)
+    return [batch[0].tolist() for batch in loader]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+def test_global_batches_do_not_depend_on_world_size(world_size):
+    """DistributedSampler's order, cut by our sampler: the ranks' k-th batches together are the same
+    global batch at any world size; each epoch another order; a start skips exactly the batches done."""
+    one = rank_batches(1000, 48, 0, 1, epoch=1)
+    assert len(one) == 1000 // 48 and len({i for b in one for i in b}) == 1000 // 48 * 48
+    ranks = [rank_batches(1000, 48, r, world_size, epoch=1) for r in range(world_size)]
+    assert [sorted(sum((r[k] for r in ranks), [])) for k in range(len(one))] == [sorted(b) for b in one]
+    assert rank_batches(1000, 48, 0, world_size, epoch=1, start=5) == ranks[0][5:]
+    assert rank_batches(1000, 48, 0, 1, epoch=2) != one
 
 
 # ---------------------------------------------------------------- scratch_lenet.py: replicas in one process
@@ -266,7 +252,7 @@ def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
     net = ddp_toy.ToyMLP()
     net.load_state_dict(load_model(tmp_path))
     X, y = ddp_toy.toy_data(301, seed=2)   # 301 does not divide by 3
-    single = common.evaluate(net, X, y, torch.device("cpu"))
+    single = (net(X).argmax(1) == y).sum().item() / len(y)
     reported = json.load(open(tmp_path / "metrics.json"))
     assert reported["test_acc"] == single and reported["test_samples"] == 301
 
@@ -345,7 +331,7 @@ def test_gradient_accumulation_equals_ranks(resnet_tolerance, tmp_path):
     accum = run(["python", "ddp_resnet.py"] + RESNET + ["--accum-steps", "2", "--out", str(tmp_path)], env=ONE_THREAD)
     assert_ok(accum)
     a, r = load_model(tmp_path), resnet_reference(2)
-    params = dict(imagenet_recipe.fashion_resnet18(0).named_parameters())
+    params = dict(common.resnet("fashion_resnet18", 10, 0).named_parameters())
     assert_same_weights({k: a[k] for k in params}, {k: r[k] for k in params}, tol=resnet_tolerance)
 
 
@@ -422,7 +408,7 @@ def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, t
     """What a user copies into their job: the script, common.py and the modules its import lines
     name (each named for what it gives). Run from that folder alone, it trains and writes its files."""
     files = copy_set(script)
-    assert "common" in files and set(files) <= set(SCRIPTS) | {"common", "faults", "imagenet_recipe"}, files
+    assert "common" in files and set(files) <= set(SCRIPTS) | {"common"}, files
     for name in files:
         shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **ONE_THREAD}
@@ -438,10 +424,14 @@ def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, t
     assert {"metrics.json", "model.pt", "curves.png"} <= set(os.listdir(tmp_path / "out")), result.stdout
 
 
-def test_ddp_resnet_is_copied_with_common_faults_and_the_imagenet_recipe():
-    assert copy_set("ddp_resnet") == ["common", "ddp_resnet", "faults", "imagenet_recipe"]
-    assert copy_set("ddp_toy") == ["common", "ddp_toy", "faults"]
-    assert copy_set("scratch_lenet") == ["common", "scratch_lenet"]
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_is_copied_with_common_alone(script):
+    """Standalone: a script imports nothing of ours but common.py (scratch_ring.py builds on
+    scratch_lenet.py, the lesson it carries across processes); no line over 120 characters."""
+    assert copy_set(script) == sorted({"common", script} | ({"scratch_lenet"} if script == "scratch_ring" else set()))
+    for name in copy_set(script):
+        long = [n for n, line in enumerate(open(os.path.join(HERE, name + ".py")), 1) if len(line.rstrip("\n")) > 120]
+        assert long == [], f"{name}.py: lines over 120 characters: {long}"
 
 
 def torch_names(tree):
@@ -493,6 +483,6 @@ def test_what_the_scripts_import_uses_torch_only_through_public_names_and_patche
     assignment is torch's documented interface: the switches of torch.backends (cudnn.allow_tf32),
     properties that call into torch."""
     files = sorted({name for script in SCRIPTS for name in copy_set(script)})
-    assert files == ["common", "ddp_resnet", "ddp_toy", "diloco_resnet", "dp_resnet", "faults", "fsdp_resnet",
-                     "ft_ddp_resnet", "imagenet_recipe", "scratch_lenet", "scratch_ring"]
+    assert files == ["common", "ddp_resnet", "ddp_toy", "diloco_resnet", "dp_resnet", "fsdp_resnet", "ft_ddp_resnet",
+                     "scratch_lenet", "scratch_ring"]
     assert [p for name in files for p in torch_problems(os.path.join(HERE, name + ".py"))] == []

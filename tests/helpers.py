@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import common
-import imagenet_recipe
 import local_slurm
 import scratch_lenet
 import simulated_cluster
@@ -111,8 +110,8 @@ def assert_same_weights(a, b, tol=1e-5):
 def resnet_step(weights):
     """The step from ResNet-18's initial weights (seed 0) to `weights`, as one flat vector of its
     parameters: steps that are not equal (bf16, compiled kernels) are compared by direction."""
-    start = imagenet_recipe.fashion_resnet18(0).state_dict()
-    names = [name for name, _ in imagenet_recipe.fashion_resnet18(0).named_parameters()]
+    start = common.resnet("fashion_resnet18", 10, 0).state_dict()
+    names = [name for name, _ in common.resnet("fashion_resnet18", 10, 0).named_parameters()]
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
@@ -129,20 +128,20 @@ def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, sa
 
 
 def _resnet_reference(shards, steps, lr, batch_size, samples):
-    X_train, y_train = common.load_fashion_mnist(DATA, samples, 1)["train"]
-    net = imagenet_recipe.fashion_resnet18(0)
+    X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
+    net = common.resnet("fashion_resnet18", 10, 0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
     # BatchNorm and biases; the cosine of 5 epochs
     decay = [p for p in net.parameters() if p.ndim > 1]
     rest = [p for p in net.parameters() if p.ndim == 1]
     optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": rest, "weight_decay": 0}],
                                 lr=lr, momentum=0.9)
-    for step, idx in enumerate(common.epoch_batches(samples, batch_size, seed=0, epoch=1)[:steps]):
+    for step, idx in enumerate(epoch_batches(samples, batch_size, seed=0, epoch=1)[:steps]):
         for group in optimizer.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / (5 * (samples // batch_size))))
         net.zero_grad(set_to_none=True)
         replicas = [copy.deepcopy(net) for _ in range(shards)]
-        for replica, part in zip(replicas, idx.view(shards, -1)):
+        for replica, part in zip(replicas, (idx[r::shards] for r in range(shards))):   # DistributedSampler's shares
             F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
         for name, p in net.named_parameters():
             p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
@@ -150,6 +149,13 @@ def _resnet_reference(shards, steps, lr, batch_size, samples):
             b.copy_(dict(replicas[0].named_buffers())[name])
         optimizer.step()
     return net.state_dict()
+
+
+def epoch_batches(samples, batch_size, seed, epoch):
+    """The global batches every script draws: DistributedSampler's order of the epoch, cut into batches."""
+    sampler = torch.utils.data.DistributedSampler(range(samples), num_replicas=1, rank=0, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    return torch.tensor(list(sampler))[: samples // batch_size * batch_size].view(-1, batch_size)
 
 
 def children_of(pid):

@@ -3,7 +3,6 @@ and a real SLURM on this host. Both need root; without it they are skipped with 
 import json, os, shutil, socket, subprocess, sys, time
 import pytest
 import common
-import imagenet_recipe
 import local_slurm
 import simulated_cluster
 from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
@@ -12,7 +11,7 @@ from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET
 # One at a time, on one pytest-xdist worker: two local SLURMs would share one munged (the first to
 # end stops it).
 pytestmark = pytest.mark.xdist_group("machines")
-RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
+RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- the simulated cluster
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))

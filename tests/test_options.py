@@ -5,7 +5,6 @@ import json, os
 import pytest
 import torch
 import common
-import imagenet_recipe
 import scratch_lenet
 from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
@@ -75,10 +74,11 @@ def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py"] + RESNET +
                  ["--batch-size", "15", "--out", str(tmp_path)])
     assert_ok(result)
-    net = imagenet_recipe.fashion_resnet18(0)
+    net = common.resnet("fashion_resnet18", 10, 0)
     net.load_state_dict(load_model(tmp_path))
-    X_test, y_test = common.load_fashion_mnist(DATA, 1, 101)["test"]
-    single = common.evaluate(net.eval(), X_test, y_test, torch.device("cpu"))
+    test_set = common.fashion_mnist(DATA, 1, 101)[1]
+    cpu = torch.device("cpu")
+    single = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
     assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == single
 
 

@@ -3,12 +3,11 @@ DDP's compression hooks step the fp32 way, and what they and FSDP hand to collec
 right."""
 import json
 import pytest
-import imagenet_recipe
 from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
 
-RESNET_BYTES = 4 * sum(p.numel() for p in imagenet_recipe.fashion_resnet18(0).parameters())   # 44,691,240
-BUFFER_BYTES = sum(b.numel() * b.element_size() for b in imagenet_recipe.fashion_resnet18(0).buffers())
+RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
+BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.resnet("fashion_resnet18", 10, 0).buffers())
 
 
 def metrics(out):

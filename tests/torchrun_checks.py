@@ -7,7 +7,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.distributed as dist
 import common
-import imagenet_recipe
 import fsdp_resnet
 import scratch_lenet
 import scratch_ring
@@ -73,9 +72,9 @@ def fsdp_load(checkpoint, out):
     rank, world_size = join(60)
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
-    model = fsdp_resnet.shard(imagenet_recipe.fashion_resnet18(1), mesh, amp=False)   # other weights
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(model, 5e-4), lr=0.1, momentum=0.9)
-    fsdp_resnet.load_checkpoint(checkpoint, "fashion_resnet18", model, optimizer, device, rank, world_size)
+    model = fsdp_resnet.shard(common.resnet("fashion_resnet18", 10, 1), mesh, amp=False)   # other weights
+    optimizer, scheduler = common.sgd_recipe(model, 0.1, 5e-4, 0, 1)
+    fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, scheduler, rank, world_size)
     state = fsdp_resnet.full_state_dict(model)
     if rank == 0:
         torch.save(state, out)
@@ -103,7 +102,7 @@ def fsdp_sent(hsdp):
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size // 2 if hsdp == "hsdp" else world_size, hsdp == "hsdp")
     def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
-        model = fsdp_resnet.shard(imagenet_recipe.fashion_resnet18(0), mesh, amp)
+        model = fsdp_resnet.shard(common.resnet("fashion_resnet18", 10, 0), mesh, amp)
         computed = fsdp_resnet.bytes_sent_per_step(model, mesh, amp)
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
