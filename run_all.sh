@@ -35,6 +35,18 @@ if ! "$PY" -c "$prepare" 2>/dev/null; then
   "$PY" -c "$prepare"   # prints what to do if there is still no data
 fi
 
+# --- the several-machines tests need a real SLURM (slurm-wlm, munge) and the simulated cluster's tools
+if [ "$mode $tier" = "test " ]; then
+  missing=$(for p in slurm-wlm munge ethtool iproute2; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+  if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing $(echo $missing) (for the SLURM and simulated-cluster tests)"
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing; } >/dev/null
+  elif [ -n "$missing" ] || [ "$(id -u)" != 0 ]; then
+    echo "== note: the SLURM and simulated-cluster tests (tests/test_cluster.py) will be skipped: they need root and" \
+         "slurm-wlm, munge, ethtool, iproute2 (missing: ${missing:-none})"
+  fi
+fi
+
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
   # Two tests at a time (pytest-xdist): a third of a test's time its processes wait on each other
@@ -70,7 +82,7 @@ port=$("$PY" -c 'import common; print(common.free_port())')   # ft_ddp_resnet.py
 "$PY" ft_ddp_resnet.py --join "127.0.0.1:$port" --min-members 2 --micro-batch 16 $small $resnet --out runs/smoke/ft_other >/dev/null &
 smoke ft_ddp_resnet "$PY" ft_ddp_resnet.py --join "127.0.0.1:$port" --min-members 2 --micro-batch 16 $small $resnet
 wait
-"$PY" imagenet_recipe.py --data-dir data --write-images runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
+"$PY" examples/write_images.py runs/smoke/images --train-samples 256 --test-samples 100 >/dev/null
 smoke ddp_resnet_folder "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 ddp_resnet.py $small $resnet \
   --data-dir runs/smoke/images --image-size 32 --workers 1
 "$PY" - "${runs[@]}" <<'PYTHON'

@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common, scratch_lenet, scratch_ring
-import imagenet_recipe
 
 
 def timed(variants, args):
@@ -100,7 +99,7 @@ def resnet(args, rank, world_size, results):
         optimizer.step()
     models = {}
     for name, cap_mb in (("ddp", None), ("ddp_one_bucket", 1024)):   # 1 GB: one bucket for all
-        net = imagenet_recipe.fashion_resnet18(0)
+        net = common.resnet("fashion_resnet18", 10, 0)
         models[name] = (DDP(net) if cap_mb is None else DDP(net, bucket_cap_mb=cap_mb),
                         torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
     model, optimizer = models["ddp"]
@@ -126,7 +125,7 @@ def main():
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    common.share_cores(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    common.pick_device("gloo")   # this process's share of the cores
     dist.init_process_group("gloo", store=common.rendezvous_store(120), rank=rank, world_size=world_size)
     results = {"world_size": world_size}
     (lenet if args.model == "lenet" else resnet)(args, rank, world_size, results)

@@ -12,17 +12,17 @@ import json, os, statistics, subprocess, sys, tempfile, time
 import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "examples"))
 import common
-import imagenet_recipe
+from write_images import write_images
 
 IMAGES, STEPS, BATCH, REPEATS = 2048, 12, 64, 3
 
 
 def loader_rate(dataset, workers, batch=BATCH):
     """Images per second over one pass (the workers' start-up excluded: they live across epochs)."""
-    sampler = imagenet_recipe.RankBatches(len(dataset), batch, seed=0, rank=0, world_size=1)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                         persistent_workers=workers > 0)
+    loader, sampler = common.train_loader(dataset, batch, 0, 0, 1, torch.device("cpu"), workers)   # the scripts' own
+    sampler.set_epoch(1)
     for _ in loader:   # the first pass starts the workers
         break
     start, n = time.perf_counter(), 0
@@ -45,12 +45,11 @@ def main():
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "images")
-        imagenet_recipe.write_images(os.path.join(HERE, "data"), folder, IMAGES, 100)
-        _, train, _ = imagenet_recipe.scan_image_folder(folder)
+        write_images(os.path.join(HERE, "data"), folder, IMAGES, 100)
         print(f"\n1. the loader alone ({IMAGES} PNG files, batches of {BATCH}), images/s")
         print(f"{'workers':>8} {'28x28 L, no augmentation':>26} {'224x224 RGB, crop and flip':>28}")
-        small = imagenet_recipe.ImageFiles(train, imagenet_recipe.image_transforms(28, True, False)[0], "L", 0)
-        large = imagenet_recipe.ImageFiles(train, imagenet_recipe.image_transforms(224, False, True)[0], "RGB", 0)
+        small = common.image_folders(folder, 28, 1, False, 0, None, None)[0]
+        large = common.image_folders(folder, 224, 3, True, 0, None, None)[0]
         for workers in (0, 1, 2):
             print(f"{workers:>8} {loader_rate(small, workers):>26,.0f} {loader_rate(large, workers):>28,.0f}", flush=True)
 

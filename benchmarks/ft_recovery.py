@@ -28,13 +28,13 @@ def stamped(kind):
         ft_ddp_resnet.Coordinator.ask = stamping
         module = ft_ddp_resnet
     else:
-        import faults, ddp_resnet
-        after_step = faults.Checkpointing.after_step
-        def stamping(self, epoch, batch_in_epoch, batches, step, *args):
-            if os.environ.get("RANK") == "0":
-                print(f"stamp {step} {time.time():.4f}", flush=True)
-            return after_step(self, epoch, batch_in_epoch, batches, step, *args)
-        faults.Checkpointing.after_step = stamping
+        import torch, ddp_resnet
+        step = torch.optim.lr_scheduler.LambdaLR.step   # once after every optimizer step (and once when made)
+        def stamping(self, *args):
+            step(self, *args)
+            if os.environ.get("RANK") == "0" and self.last_epoch > 0:
+                print(f"stamp {self.last_epoch} {time.time():.4f}", flush=True)
+        torch.optim.lr_scheduler.LambdaLR.step = stamping
         module = ddp_resnet
     sys.argv = [module.__file__] + sys.argv[3:]
     module.main()
@@ -47,11 +47,11 @@ def torchft_member(lighthouse, replica, steps):
     import datetime
     import torch, torch.distributed as dist, torch.nn.functional as F
     from torchft import Manager, ProcessGroupGloo
-    import common, imagenet_recipe
+    import common, ft_ddp_resnet
     torch.set_num_threads(1)
-    X, y = common.load_fashion_mnist(os.path.join(ROOT, "data"), 24 * steps, 10)["train"]
-    net = imagenet_recipe.fashion_resnet18(0)
-    optimizer = torch.optim.SGD(imagenet_recipe.param_groups(net, 5e-4), lr=0.002 * 24 / 256, momentum=0.9)
+    X, y = common.fashion_mnist(os.path.join(ROOT, "data"), 24 * steps, 10)[0].tensors
+    net = common.resnet("fashion_resnet18", 10, 0)
+    optimizer, _ = common.sgd_recipe(net, 0.002 * 24 / 256, 5e-4, 0, steps)   # at a constant rate
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # this replica group's own
     timeout = datetime.timedelta(seconds=10)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, timeout=timeout,
@@ -63,7 +63,7 @@ def torchft_member(lighthouse, replica, steps):
         step = manager.current_step()
         manager.start_quorum()
         optimizer.zero_grad()
-        idx = common.epoch_batches(len(y), 24, 0, 1)[step][8 * replica:8 * replica + 8]   # 8 images each
+        idx = ft_ddp_resnet.global_batch(len(y), 24, 0, 1, step)[8 * replica:8 * replica + 8]   # 8 images each
         F.cross_entropy(net(X[idx]), y[idx]).backward()
         params = list(net.parameters())
         flat = torch.cat([p.grad.flatten() for p in params])

@@ -45,8 +45,9 @@ def measure(levers, torchvision_root):
             [transforms.ToTensor(), transforms.Normalize(common.MEAN, common.STD)]))
         batches = torch.utils.data.DataLoader(dataset, BATCH, shuffle=True, num_workers=2, drop_last=True)
     else:
-        X_train, y_train = common.load_fashion_mnist(os.path.join(ROOT, "data"))["train"]
-        batches = ((X_train[idx], y_train[idx]) for idx in common.epoch_batches(len(y_train), BATCH, 0, 1))
+        train_set = common.fashion_mnist(os.path.join(ROOT, "data"))[0]
+        batches, sampler = common.train_loader(train_set, BATCH, 0, 0, 1, devices[0])   # the scripts' own
+        sampler.set_epoch(1)
     layout = torch.channels_last if levers["channels_last"] else torch.contiguous_format
     forward = torch.compile(scratch_lenet.lenet) if levers["compile"] else scratch_lenet.lenet
     replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), d, layout) for d in devices]

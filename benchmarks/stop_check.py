@@ -1,6 +1,6 @@
 """What agreeing to stop costs a DDP step: the same step with no stop check, with a blocking
 allreduce of the stop flag after every step (every rank waits a network round trip), and with
-faults.StopRequest (the flag's allreduce started at one step boundary, read at the next).
+common.StopSignal (the flag's allreduce started at one step boundary, read at the next).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/stop_check.py
     python examples/simulated_cluster.py --nodes 2 --rate-mbit 100 -- torchrun --nnodes=2 --nproc_per_node=1 \\
@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common
-import faults
 
 
 def main():
@@ -43,7 +42,7 @@ def main():
     model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     X, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
-    stop = faults.StopRequest()
+    stop = common.StopSignal(None)
     blocking_group = stop.group
 
     def step():
