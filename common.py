@@ -68,7 +68,8 @@ def prepare_fashion_mnist(data_dir):
         return f"error: --data-dir {data_dir} is not a folder"
     with contextlib.suppress(Exception), contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
         if not find_files(data_dir):   # quiet: its long failure has a fix below
-            __import__("torchvision").datasets.FashionMNIST(data_dir, download=True)
+            import torchvision
+            torchvision.datasets.FashionMNIST(data_dir, download=True)
     if not find_files(data_dir) and all(os.path.isfile(os.path.join(DEBIAN_DIR, f)) for f in FILES):
         try:   # Debian's package: the same files
             os.makedirs(data_dir, exist_ok=True)
@@ -160,8 +161,9 @@ class UnreadableImage(Exception):   # raised in a worker, it arrives with the wo
         return str(self)[str(self).rfind("error: cannot read "):].strip()
 
 def read_image(path):
+    from PIL import Image
     try:
-        with __import__("PIL.Image").Image.open(path) as image:
+        with Image.open(path) as image:
             return image.convert("RGB")   # decodes the whole file: a truncated one fails here
     except Exception as e:
         raise UnreadableImage(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): replace or remove it")
@@ -249,7 +251,8 @@ class ResumableSampler(DistributedSampler):
 
 def ignore_stop_signals(worker_id):   # SLURM signals every process: the rank decides, and ends its workers
     for name in ("SIGTERM", "SIGUSR1"):
-        signal.signal(getattr(signal, name), signal.SIG_IGN) if hasattr(signal, name) else None
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 def kill_workers():   # at exit: they ignore SIGTERM, which multiprocessing would send them and wait on for ever
     if hasattr(signal, "SIGCHLD"):   # else DataLoader's handler reports these kills as failures
@@ -467,9 +470,10 @@ non_negative_int, non_negative_float = checked(int, False), checked(float, False
 def check_out_dir(out):
     """Fail before training, not after it, when the outputs cannot be written (or drawn)."""
     try:
-        __import__("matplotlib")   # curves.png is drawn with it at the end
+        import matplotlib   # noqa: F401  curves.png is drawn with it at the end
         os.makedirs(out, exist_ok=True)
-        save_atomically(lambda tmp: open(tmp, "w").close(), os.path.join(out, ".write-test"))
+        with open(os.path.join(out, ".write-test"), "w"):
+            pass
         os.remove(os.path.join(out, ".write-test"))
     except ImportError:
         sys.exit("error: matplotlib is missing, and curves.png is drawn with it: pip install matplotlib")
@@ -481,7 +485,8 @@ class Timer:
     def __init__(self, device, already=0.0):
         self.device, self.start = device, time.perf_counter() - already
     def __call__(self):
-        torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.start
 
 def nbytes(*tensors):   # what a collective is handed

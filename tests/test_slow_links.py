@@ -3,6 +3,7 @@ DDP's compression hooks step the fp32 way, and what they and FSDP hand to collec
 right."""
 import json
 import pytest
+import common
 from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
 
