@@ -311,6 +311,9 @@ def one_line_per_rank(checkpoint=None):
         line = e.line() if isinstance(e, UnreadableImage) else e.code
         if isinstance(line, str):
             tell_the_launcher(line)
+        if dist.is_initialized():   # a group left alive into the interpreter's exit can abort it (SIGABRT)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
         raise SystemExit(line) from None
     except RuntimeError as e:
         words = ("gloo", "NCCL", "Connection closed", "Connection reset")

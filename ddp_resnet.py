@@ -131,7 +131,7 @@ def train(args):
     net = net.to(device, memory_format=memory_format)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples (the linear scaling rule)
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
-                                      steps_per_epoch * args.epochs)
+                                             steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
     flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}

@@ -236,8 +236,7 @@ def buffers_of(net):   # BatchNorm's running statistics (its step counters are s
 def message_buffer(net):
     """The one tensor each step's allreduce sends: every gradient, then BatchNorm's running
     statistics, then the step's loss sums. Each parameter's .grad is a view into it, so backward
-    accumulates there and nothing is copied in or out (the gradients are 45 MB here: a copy in and
-    out took ~25 ms of a 0.33 s step, AMD EPYC)."""
+    accumulates there and nothing is copied in or out (ResNet-18's gradients are 45 MB)."""
     params, sizes = list(net.parameters()), [p.numel() for p in net.parameters()]
     flat = torch.zeros(sum(sizes) + sum(b.numel() for b in buffers_of(net)) + 3)
     for p, piece in zip(params, flat[:sum(sizes)].split(sizes)):
@@ -267,7 +266,7 @@ def compute(net, message, X, y, micro_batch, mine, amp):
 def leave_group():
     """A collective failed: leave its group at once. Its connections close, so a member still waiting
     inside the collective for this one fails now, not at the group's timeout (a member that died
-    fails only its neighbours in gloo's ring: the others' wait is on a survivor; seen here: 10 s)."""
+    fails only its neighbours in gloo's ring: the others wait on a survivor)."""
     dist.destroy_process_group()   # FT: the next generation makes a new one
 
 def exchange(net, message, totals, holds_first):
