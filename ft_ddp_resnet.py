@@ -1,169 +1,293 @@
 """ResNet-18 on Fashion-MNIST, data parallel, training that outlives its members: no restart, no lost step.
 
-    python ft_ddp_resnet.py --serve HOST:PORT                     # the coordinator: trains nothing
-    python ft_ddp_resnet.py --join HOST:PORT --out runs/m0        # a member; start as many as you like,
-    python ft_ddp_resnet.py --join HOST:PORT --out runs/m1        # on any machines, whenever you like
-    until python ft_ddp_resnet.py --join HOST:PORT --out runs/m2; do sleep 1; done   # a supervisor's restarts
+    export FT_SECRET=...                                        # the same on the coordinator and every member
+    python ft_ddp_resnet.py --serve HOST:PORT --run-id r1       # the coordinator: trains nothing
+    until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
 
-ddp_resnet.py ends every rank when one dies, and the job restarts from its last checkpoint. Here the
-members that remain go on. Before every step the live members agree on who takes part (a quorum,
-one generation of membership); when that changes, each builds a new process group for the new
-generation over the coordinator's store (a new key prefix), never reusing one a dead member was
-in. A member behind the others (a newcomer, a restarted one) receives the weights, optimizer state
-and position from the member furthest ahead, over the new group: no file is read.
+(the last line: a member, restarted until it finishes (0) or fails for good (1); start as many as
+you like, on any machines, whenever you like). ddp_resnet.py ends every rank when one dies. Here
+the members that remain go on. Before every step the live members agree on who takes part (a
+quorum, one generation of membership); when that changes, each builds a new process group over
+the coordinator's store (a new key prefix). A member behind the others (a newcomer, a restarted
+one) receives the weights, momentum and position from the member furthest ahead: no file is read.
 
-The training does not depend on who computes it. Step s's global batch (--batch-size) is cut into
-micro-batches of --micro-batch, shared among the members, uneven counts allowed; the gradient is
-the sum over all micro-batches of each one's mean-loss gradient, divided by their count. BatchNorm
-normalises each micro-batch by its own statistics; only micro-batch 0 updates the running
-statistics (every other runs with momentum 0), and its holder's buffers are the ones all keep. So
-the same steps give the same weights with 1, 2 or 3 members, up to the order of float sums.
+The training does not depend on who computes it. Step s's global batch is cut into micro-batches
+of --micro-batch, shared among the members; the gradient is the sum of each micro-batch's
+mean-loss gradient, divided by their count, summed in float64: exactly, so 1, 2 or 3 members, any
+faults, give the same weights bit for bit. Only micro-batch 0 updates BatchNorm's running statistics.
 
-A step is applied by all its members or by none: after the allreduce each member votes (it
-succeeded, or its collective raised), and the coordinator answers "commit" only if every member of
-the generation voted yes. A member that dies, or hangs for --member-timeout seconds, makes the step
-fail for all; the next quorum computes it again. The vote also asks for the next step's quorum, so
-a step costs one round trip to the coordinator.
+A step is applied by all its members or by none: after the allreduce each member votes, and the
+coordinator answers "commit" only if every member of the generation voted yes; else the next
+quorum computes the step again. The vote also asks for the next quorum: one round trip a step.
+The coordinator is a single point: lost, each member writes its checkpoint and exits 75, and
+comes back with --resume once it is served again with the same --run-id.
 
-No DistributedDataParallel wrapper: it is bound to one process group, and a failed allreduce
-leaves its reducer in a state it does not recover from (torchft's own DDP wrapper dies there on
-CPU). The gradients are summed in one allreduce after backward, with BatchNorm's buffers and the
-step's loss sums in the same message. No overlap with backward: the same overlap by hand (hooks
-starting each bucket's allreduce) did not pay on 2 CPU cores; benchmarks/README.md has the figures.
+No DistributedDataParallel: it is bound to one process group, and a failed allreduce leaves its
+reducer in a state it does not recover from. The gradients go in one allreduce after backward.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
-import argparse, contextlib, datetime, json, math, os, selectors, signal, socket, sys, threading, time, zlib
+import argparse, contextlib, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
+import signal, socket, sys, time, zlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import common
 
 RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "max_steps", "lr", "weight_decay",
-             "warmup_epochs", "amp")   # what every member must share: the training itself
+             "warmup_epochs", "amp", "sum_dtype", "member_timeout", "min_members")   # what every member must share
+
+# ---------------------------------------------------------------- the wire: JSON lines, and only the run's members
+MAX_LINE = 1 << 16   # no message of this protocol is longer: a longer line is refused
+PROVE_WITHIN = 5.0   # seconds a new connection has to prove it knows FT_SECRET
+MAX_UNPROVEN = 64    # connections still to prove it; with more at once (a flood), the oldest is closed
+MESSAGES = {"join": {"proof": str, "challenge": str, "flags": dict, "step": int, "run": (str, type(None))},
+            "ready": {"step": int}, "vote": {"step": int, "ok": bool, "next": bool, "waited": (int, float),
+                                             "error": str}, "done": {}}
+
+def parse(line):
+    """A message of this protocol (a JSON object of a known op, its fields of the right types), else ValueError."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):   # RecursionError: "[[[[..." nested past Python's limit
+        raise ValueError("not a line of JSON") from None
+    op = message.get("op") if isinstance(message, dict) else None
+    if not isinstance(op, str) or op not in MESSAGES:
+        raise ValueError("not a message of this protocol")
+    wrong = [k for k, kind in MESSAGES[op].items() if not isinstance(message.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{op} without a proper {', '.join(wrong)}")
+    return message
+
+def the_secret(host):
+    """FT_SECRET, which every member proves it knows (an HMAC of a fresh challenge, never the secret itself);
+    it may be left out only where no other machine can connect."""
+    secret = os.environ.get("FT_SECRET", "")
+    with contextlib.suppress(OSError, ValueError):
+        if not secret and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            raise SystemExit(f"error: {host} can be reached from other machines, and FT_SECRET is not set: set the "
+                             f"same secret for the coordinator and every member, e.g. export FT_SECRET=$(python -c "
+                             f"'import secrets; print(secrets.token_hex(16))')")
+    return secret.encode()
+
+def proof(secret, challenge):   # FT: only a holder of the secret computes it
+    return hmac.new(secret, challenge.encode(), hashlib.sha256).hexdigest()
 
 # ---------------------------------------------------------------- the coordinator: membership, quorums, commits
 def serve(args):
-    """The membership. Holds the store the process groups meet in, and one connection per member:
-    a member that dies closes it (seen at once), one that hangs stops its heartbeat (dropped after
-    --member-timeout). Forms a quorum when every live member asks for one, and decides commits.
-    Ends on SIGTERM, or once a member has finished and none is left."""
+    """The membership. Holds the store the process groups meet in, and one connection per member. A
+    member that dies closes it (seen at once); one that makes no progress (no vote, no request for
+    a quorum) for --member-timeout while others wait is dropped, as is one its peers' collective
+    timed out on. Forms a quorum when every live member asks for one, decides commits, and beats to
+    every member so that each notices a coordinator that hangs. Ends on SIGTERM, or once the run
+    has finished and its members have left."""
     host, port = args.serve
-    store_port = common.free_port()
-    store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False)   # FT: the groups meet here
-    print(f"coordinator: members join at {host}:{port}; the groups' store is at {host}:{store.port}", flush=True)
-    listener = socket.create_server((host, port), reuse_port=False)
+    secret, run_id = the_secret(host), args.run_id or secrets.token_hex(4)
+    store = dist.TCPStore(host, args.store_port or port + 1, is_master=True,   # FT: the groups meet here
+                          wait_for_workers=False)
+    listener = socket.create_server((host, port))
+    listener.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    members, run, state = {}, None, {"gen": 0, "gen_members": [], "next_id": 0, "finished": False, "failed": False}
+    print(f"coordinator: run {run_id}: members join at {host}:{port}, their groups meet at {host}:{store.port}; "
+          f"to continue this run after a restart, serve it with --run-id {run_id}", flush=True)
+    conns, next_id, last_beat = {}, 0, 0.0
+    run = {"flags": None, "gen": 0, "members": [], "retry": False, "step": 0, "failures": [], "finished": None}
 
-    def send(member, message):
+    def send(conn, message):   # never blocks: a connection that cannot take a small message is lost
+        data = (json.dumps(message) + "\n").encode()
         try:
-            member["sock"].sendall((json.dumps(message) + "\n").encode())
+            if conn["sock"].send(data) != len(data):
+                raise BlockingIOError
         except OSError:
-            pass
+            conn.setdefault("lost", "its connection failed")
 
-    def gone(member_id, why):
-        member = members.pop(member_id)
-        selector.unregister(member["sock"])
-        member["sock"].close()
-        print(f"coordinator: member {member_id} {why}", flush=True)
+    def close(cid, line=None):
+        conn = conns.pop(cid)
+        selector.unregister(conn["sock"])
+        conn["sock"].close()
+        if line:
+            print(f"coordinator: {line}", flush=True)
 
-    def handle(member_id, message):
-        nonlocal run
-        member, op = members[member_id], message["op"]
-        if op == "beat" or member.get("dropped"):
-            if op in ("ready", "vote"):   # it hung past --member-timeout and woke up: it is told, and leaves
-                send(member, {"dropped": f"no answer for {run['member_timeout']:g} s"})
-                gone(member_id, "was told it had been dropped")
-            elif not member.get("dropped"):
-                member["beat"] = time.monotonic()
-            return
-        member["beat"] = time.monotonic()
-        if op == "join":
-            if state["finished"]:   # a member came after the end: nothing is left to train
-                send(member, {"over": "the run is over: its members have finished"})
-                return
-            if run is None:
-                run = message["flags"]
-            differ = [f"--{k.replace('_', '-')} {message['flags'].get(k)} here, {v} in the run"
-                      for k, v in run.items() if k in RUN_FLAGS and message["flags"].get(k) != v]
+    def name(conn):
+        return f"member {conn['id']}" if conn.get("joined") else f"the connection from {conn['peer']}"
+
+    def join(conn, message):
+        """A connection proves it knows the secret, and joins if its flags and its checkpoint's run agree."""
+        if not hmac.compare_digest(message["proof"], proof(secret, conn["challenge"])):
+            raise ValueError("it does not know FT_SECRET")
+        flags, live = message["flags"], [c for c in conns.values() if c.get("joined") and not c.get("dropped")]
+        if not (isinstance(flags.get("member_timeout"), (int, float)) and flags["member_timeout"] > 0 and
+                isinstance(flags.get("min_members"), int) and isinstance(flags.get("final_step"), int)):
+            raise ValueError("join with unusable flags")
+        answer = {"proof": proof(secret, message["challenge"])}   # FT: the coordinator proves it too
+        if run["finished"] is not None:   # a member after the end (even during the last step): nothing to train
+            send(conn, {**answer, "over": f"the run is over: its members finished step {run['step']}"})
+        elif message["run"] not in (None, run_id):
+            send(conn, {**answer, "refused": f"error: its checkpoint is of run {message['run']}, and this coordinator"
+                                             f" serves run {run_id}: start it without --resume, or serve that run "
+                                             f"(--run-id {message['run']})"})
+        else:
+            if not live:   # FT: the run's flags are those of its live members (or of who comes back with a checkpoint)
+                run["flags"] = flags
+            differ = [f"{k} {flags.get(k)} here, {v} in the run" for k, v in run["flags"].items()
+                      if flags.get(k) != v and k != "min_members"]   # (that one counts for the first quorum only)
             if differ:
-                send(member, {"refused": f"error: this member's training flags differ from the run's "
-                                         f"({'; '.join(differ)}): start it with the run's flags"})
-                return
-            member.update(joined=True, flags=message["flags"])
-            send(member, {"id": member_id, "store_port": store_port, "run": run})
-        elif op in ("ready", "vote"):
-            member["want"] = message
+                send(conn, {**answer, "refused": f"error: this member's training flags differ from the run's "
+                                                 f"({'; '.join(differ)}): start it with the run's flags"})
+            else:
+                conn.update(joined=True, want=None, since=time.monotonic())
+                print(f"coordinator: member {conn['id']} joined from {conn['peer']} at step {message['step']}", flush=True)
+                return send(conn, {**answer, "id": conn["id"], "run": run_id})
+        conn["lost"] = "was answered and let go"
+
+    def handle(cid, message):
+        conn, op = conns[cid], message["op"]
+        if not conn.get("joined"):
+            if op != "join":
+                raise ValueError(f"{op} before proving FT_SECRET")
+            return join(conn, message)
+        if op == "join":
+            raise ValueError("a second join")
+        if conn.get("dropped"):   # it hung past --member-timeout and woke up: it is told, and let go
+            over = run["finished"] is not None
+            send(conn, {"over": f"the run ended while this member hung: its members finished step {run['step']}"}
+                 if over else {"dropped": conn["dropped"]})
+            conn["lost"] = "was told the run is over" if over else "was told it had been dropped"
         elif op == "done":
-            member["done"] = state["finished"] = True
+            conn["done"] = True
+        else:
+            conn.update(want=message, since=time.monotonic())
+
+    def drop(conn, why):   # FT: alive or not, it holds the others up: they go on without it
+        conn.update(dropped=why, want=None)
+        print(f"coordinator: {name(conn)} dropped: {why}", flush=True)
 
     while True:
-        for key, _ in selector.select(timeout=0.01):
+        for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
-                sock, _ = listener.accept()
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once (see Coordinator)
-                member_id, state["next_id"] = state["next_id"], state["next_id"] + 1
-                members[member_id] = {"sock": sock, "buffer": b"", "beat": time.monotonic(), "want": None}
-                selector.register(sock, selectors.EVENT_READ, member_id)
+                with contextlib.suppress(BlockingIOError):
+                    sock, peer = listener.accept()
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once
+                    conns[next_id] = conn = {"id": next_id, "sock": sock, "peer": f"{peer[0]}:{peer[1]}",
+                                             "buffer": b"", "opened": time.monotonic(), "challenge": secrets.token_hex(16)}
+                    selector.register(sock, selectors.EVENT_READ, next_id)
+                    next_id += 1
+                    unproven = [c for c in conns.values() if not c.get("joined") and "lost" not in c]
+                    if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
+                        unproven[0]["lost"] = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
+                    send(conn, {"challenge": conn["challenge"]})
                 continue
-            member_id = key.data
+            cid, conn = key.data, conns[key.data]
             try:
-                data = key.fileobj.recv(65536)
+                data = conn["sock"].recv(65536)
             except OSError:
                 data = b""
             if not data:
-                gone(member_id, "finished" if members[member_id].get("done") else "is gone (its connection closed)")
+                close(cid, None if not conn.get("joined") else f"member {cid} finished" if conn.get("done") else
+                      f"member {cid} is gone (its connection closed)")
                 continue
-            members[member_id]["buffer"] += data
-            while member_id in members and b"\n" in members[member_id]["buffer"]:
-                line, members[member_id]["buffer"] = members[member_id]["buffer"].split(b"\n", 1)
-                handle(member_id, json.loads(line))
-        now, timeout = time.monotonic(), run["member_timeout"] if run else math.inf
-        for member_id, member in members.items():   # FT: a member that hangs (alive, silent) is dropped
-            if member.get("joined") and not member.get("dropped") and now - member["beat"] > timeout:
-                member["dropped"] = True
-                print(f"coordinator: member {member_id} dropped: no answer for {timeout:g} s", flush=True)
-                if member["want"]:   # it waits for a quorum it asked for with its vote: the answer waits for it
-                    member["want"] = None
-                    send(member, {"dropped": f"no answer for {timeout:g} s"})
-                    print(f"coordinator: member {member_id} will read that it has been dropped", flush=True)
-        live = {i: m for i, m in members.items() if m.get("joined") and not m.get("dropped")}
+            conn["buffer"] += data
+            try:   # FT: any bytes from anyone end at most their own connection
+                while b"\n" in conn["buffer"] and "lost" not in conn:
+                    line, conn["buffer"] = conn["buffer"].split(b"\n", 1)
+                    handle(cid, parse(line))
+                if len(conn["buffer"]) > MAX_LINE:
+                    raise ValueError(f"a line longer than {MAX_LINE} bytes")
+            except ValueError as e:
+                conn["lost"] = f"refused: {e}"
+        now = time.monotonic()
+        for conn in conns.values():   # FT: a connection that does not prove itself soon is closed
+            if not conn.get("joined") and now - conn["opened"] > PROVE_WITHIN:
+                conn.setdefault("lost", f"refused: it did not prove it knows FT_SECRET within {PROVE_WITHIN:g} s")
+        timeout = run["flags"]["member_timeout"] if run["flags"] else 30.0
+        if now - last_beat > min(1.0, timeout / 4):   # FT: each member hears from the coordinator: it is alive
+            last_beat = now
+            for conn in conns.values():
+                if conn.get("joined"):
+                    send(conn, {"beat": 1})
+        live = {i: c for i, c in conns.items() if c.get("joined") and not c.get("dropped") and not c.get("done")
+                and "lost" not in c}
+        # FT: liveness is progress. A member that neither voted nor asked for a quorum within --member-timeout
+        # of a member that waits is dropped; so is a member of the generation that has not voted when a peer's
+        # collective timed out waiting for it.
+        # (A peer whose collective failed with it votes within milliseconds: a grace keeps it from being dropped.)
+        waits = [c["since"] for c in live.values() if c["want"]]
+        timed_out = any(c["want"]["op"] == "vote" and not c["want"]["ok"] and c["want"]["waited"] >= 0.9 * timeout
+                        and now - c["since"] > min(1.0, timeout / 3) for c in live.values() if c["want"])
+        for i, conn in list(live.items()):
+            if not conn["want"] and waits and now - max(min(waits), conn["since"]) > timeout:
+                drop(conn, f"no vote and no request for {timeout:g} s while the others waited")
+            elif not conn["want"] and timed_out and i in run["members"]:
+                drop(conn, f"its peers' collective waited {timeout:g} s for it")
+            if conn.get("dropped"):
+                del live[i]
         # The commit: every member of the generation voted yes, and none is gone; else no one applies the step.
-        voters = {i: m for i, m in live.items() if m["want"] and m["want"]["op"] == "vote"}
-        if voters and all(i in voters or i not in live for i in state["gen_members"]):
-            commit = (all(i in voters for i in state["gen_members"]) and all(m["want"]["ok"] for m in voters.values())
-                      and len({m["want"]["step"] for m in voters.values()}) == 1)
-            state["failed"] = state["failed"] or not commit   # a member whose collective failed has left its group
-            for member in voters.values():   # a vote with "next" also asks for the next step's quorum
-                vote = member["want"]
-                member["want"] = {"op": "ready", "step": vote["step"] + commit} if vote.get("next") else None
-                send(member, {"commit": commit})
+        voters = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "vote" and i in run["members"]}
+        if voters and all(i in voters or i not in live for i in run["members"]):
+            steps = {c["want"]["step"] for c in voters.values()}
+            commit = len(voters) == len(run["members"]) and all(c["want"]["ok"] for c in voters.values())
+            commit = commit and len(steps) == 1
+            run["retry"] = not commit   # a member whose collective failed has left its group
+            errors = [f"member {i}: {c['want']['error']}" for i, c in voters.items() if not c["want"]["ok"]]
+            same = run["failures"] and run["failures"][-1][:2] == (min(steps), run["members"])
+            run["failures"] = [] if commit else run["failures"] * bool(same) + [(min(steps), run["members"], errors)]
+            if commit:
+                run["step"] = max(run["step"], min(steps) + 1)
+                if run["step"] >= run["flags"]["final_step"]:
+                    run["finished"] = now
+            for conn in voters.values():   # a vote with "next" also asks for the next step's quorum
+                vote = conn["want"]
+                conn.update(want={"op": "ready", "step": vote["step"] + commit} if vote["next"] else None, since=now)
+                send(conn, {"commit": commit})
+        if len(run["failures"]) >= 3:   # FT: the same step failing with the same members: said, not retried for ever
+            step, members, errors = run["failures"][-1]
+            line = (f"error: step {step} failed {len(run['failures'])} times in a row with members {members} "
+                    f"({'; '.join(errors) or 'no error given'}): the run ends here; mend that, then --resume")
+            print(f"coordinator: {line}", flush=True)
+            for conn in live.values():
+                send(conn, {"failed": line})
+            raise SystemExit(1)
         # The quorum: every live member asks for one (at least --min-members for the first).
-        ready = {i: m for i, m in live.items() if m["want"] and m["want"]["op"] == "ready"}
-        needed = run["min_members"] if run and state["gen"] == 0 else 1
-        if ready and len(ready) == len(live) and len(ready) >= needed:
+        ready = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "ready"}
+        needed = run["flags"]["min_members"] if run["gen"] == 0 and run["flags"] else 1
+        if ready and run["finished"] is not None:   # FT: joined during the last step: told, not trained from 0
+            for conn in ready.values():
+                send(conn, {"over": f"the run is over: its members finished step {run['step']}"})
+                conn["lost"] = "was told the run is over"
+        elif ready and len(ready) == len(live) and len(ready) >= needed:
             ids = sorted(ready)
-            if ids != state["gen_members"] or state["failed"]:   # a new membership, or the same after a failed step
-                state["gen"], state["gen_members"], state["failed"] = state["gen"] + 1, ids, False
+            if ids != run["members"] or run["retry"]:   # a new membership, or the same after a failed step
+                run.update(gen=run["gen"] + 1, members=ids, retry=False)
             steps = [ready[i]["want"]["step"] for i in ids]
-            for rank, i in enumerate(ids):
+            behind = min(steps) < max(steps)   # FT: then the member furthest ahead sends its state
+            for rank, i in enumerate(ids):   # FT: each member is told what it needs, not the membership
                 ready[i]["want"] = None
-                send(ready[i], {"gen": state["gen"], "rank": rank, "members": ids, "steps": steps})
-        if state["finished"] and not members:
-            print("coordinator: the run is over", flush=True)
-            return
+                send(ready[i], {"gen": run["gen"], "rank": rank, "world": len(ids), "step": max(steps),
+                                "src": steps.index(max(steps)) if behind else None})
+        for cid, conn in list(conns.items()):
+            if "lost" in conn:
+                close(cid, f"{name(conn)} {conn['lost']}" if conn.get("joined") or conn["lost"].startswith("refused")
+                      else None)
+        if not any(c.get("joined") and not c.get("dropped") for c in conns.values()):
+            run["flags"] = None if run["finished"] is None else run["flags"]   # FT: no member left: no binding flags
+            if run["finished"] is not None and (not conns or now - run["finished"] > 10 * timeout):
+                print(f"coordinator: the run is over (step {run['step']})", flush=True)
+                return
 
 
 # ---------------------------------------------------------------- a member's line to the coordinator
 class CoordinatorLost(Exception):
     pass
 
+class Stopped(Exception):   # a SIGTERM came while this member waited for the coordinator
+    pass
+
 class Coordinator:
-    """A member's connection to the coordinator: requests answered in turn, and a heartbeat from a
-    thread of its own (a hung process stops it: the coordinator drops it)."""
-    def __init__(self, address, flags, init_timeout):
+    """A member's connection to the coordinator: requests answered in turn. The coordinator beats
+    every second or so: silent for --member-timeout, it is taken as lost (hung or unreachable)."""
+    def __init__(self, address, secret, hello, timeout, init_timeout, stop):
         host, port = address
         deadline = time.monotonic() + init_timeout
         while True:
@@ -177,53 +301,69 @@ class Coordinator:
                                      f"{host}:{port}") from None
                 time.sleep(0.2)
         self.sock.settimeout(None)
-        # Small messages leave at once: with Nagle's algorithm a request sent just after a heartbeat
-        # would wait for the coordinator's delayed acknowledgement of it (up to 40 ms on Linux).
+        # Small messages leave at once: with Nagle's algorithm a request would wait for the
+        # coordinator's delayed acknowledgement of the one before (up to 40 ms on Linux).
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.lock, self.buffer, self.address = threading.Lock(), b"", f"{host}:{port}"
-        answer = self.ask({"op": "join", "flags": flags})
+        self.buffer, self.timeout, self.stop = b"", timeout, stop
+        mine = secrets.token_hex(16)
+        try:
+            challenge = self.receive().get("challenge")
+            answer = self.ask({**hello, "op": "join", "proof": proof(secret, str(challenge)), "challenge": mine})
+        except CoordinatorLost:   # it closes on a member that does not prove the secret
+            answer = {}
+        if not hmac.compare_digest(str(answer.get("proof")), proof(secret, mine)):   # FT: a coordinator of this run
+            raise SystemExit(f"error: {host}:{port} refused this member or does not know FT_SECRET: give the "
+                             f"coordinator and every member the same FT_SECRET")
         if "refused" in answer:
             raise SystemExit(answer["refused"])
         if "over" in answer:
             print(answer["over"], flush=True)
             raise SystemExit(0)
-        self.id, self.store_port, self.run = answer["id"], answer["store_port"], answer["run"]
-        self.beating = True
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _beat(self):
-        while self.beating:
-            time.sleep(min(0.5, self.run["member_timeout"] / 5))
-            with self.lock, contextlib.suppress(OSError):
-                self.sock.sendall(b'{"op": "beat"}\n')
+        self.id, self.run = answer["id"], answer["run"]
 
     def tell(self, message):
-        with self.lock:
-            try:
-                self.sock.sendall((json.dumps(message) + "\n").encode())
-            except OSError as e:
-                raise CoordinatorLost(str(e)) from None
+        try:
+            self.sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError as e:
+            raise CoordinatorLost(str(e)) from None
 
     def ask(self, message):
         self.tell(message)
         return self.receive()
 
     def receive(self):
-        while b"\n" not in self.buffer:
-            try:
-                data = self.sock.recv(65536)
-            except OSError as e:
-                raise CoordinatorLost(str(e)) from None
-            if not data:
-                raise CoordinatorLost("its connection closed")
-            self.buffer += data
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
+        """The next message (beats aside). CoordinatorLost after --member-timeout without a word from
+        it; Stopped half a second after a SIGTERM (an answer on its way is still read)."""
+        heard = time.monotonic()
+        while True:
+            if b"\n" in self.buffer:
+                line, self.buffer = self.buffer.split(b"\n", 1)
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    message = None
+                if not isinstance(message, dict):
+                    raise CoordinatorLost("it sent something that is not a message")
+                if "beat" not in message:
+                    return message
+                heard = time.monotonic()
+                continue
+            if select.select([self.sock], [], [], 0.1)[0]:
+                try:
+                    data = self.sock.recv(65536)
+                except OSError as e:
+                    raise CoordinatorLost(str(e)) from None
+                if not data:
+                    raise CoordinatorLost("its connection closed")
+                self.buffer += data
+                continue
+            if self.stop["signal"] and time.monotonic() - self.stop["at"] > 0.5:
+                raise Stopped()
+            if time.monotonic() - heard > self.timeout:
+                raise CoordinatorLost(f"not a word from it for {self.timeout:g} s: it hangs or cannot be reached")
 
     def close(self):
-        self.beating = False
-        with self.lock:
-            self.sock.close()
+        self.sock.close()
 
 # ---------------------------------------------------------------- one step, the same whoever computes it
 def my_micro_batches(count, rank, world_size):
@@ -233,34 +373,42 @@ def my_micro_batches(count, rank, world_size):
 def buffers_of(net):   # BatchNorm's running statistics (its step counters are set after each committed step)
     return [b for name, b in net.named_buffers() if not name.endswith("num_batches_tracked")]
 
-def message_buffer(net):
-    """The one tensor each step's allreduce sends: every gradient, then BatchNorm's running
-    statistics, then the step's loss sums. Each parameter's .grad is a view into it, so backward
-    accumulates there and nothing is copied in or out (ResNet-18's gradients are 45 MB)."""
+def gradients_of(net):
+    """One flat float32 tensor that every parameter's .grad is a view into (backward adds into it in place)."""
     params, sizes = list(net.parameters()), [p.numel() for p in net.parameters()]
-    flat = torch.zeros(sum(sizes) + sum(b.numel() for b in buffers_of(net)) + 3)
-    for p, piece in zip(params, flat[:sum(sizes)].split(sizes)):
-        p.grad = piece.view_as(p)   # backward adds into it in place (it never sets .grad to a new tensor)
+    flat = torch.zeros(sum(sizes))
+    for p, piece in zip(params, flat.split(sizes)):
+        p.grad = piece.view_as(p)
     return flat
 
-def compute(net, message, X, y, micro_batch, mine, amp):
-    """Forward and backward of this member's micro-batches of the global batch (X, y): each one's
-    mean-loss gradient divided by the number of micro-batches, summed in .grad. BatchNorm: each
-    micro-batch normalised by its own statistics; micro-batch 0 alone moves the running ones.
+def message_buffer(net, dtype):
+    """The one tensor each step's allreduce sends: the summed gradients, then BatchNorm's running
+    statistics, then the step's loss sums (ResNet-18's gradients are 45 MB in float32)."""
+    return torch.zeros(sum(p.numel() for p in net.parameters()) + sum(b.numel() for b in buffers_of(net)) + 3,
+                       dtype=dtype)
+
+def compute(net, grads, message, X, y, micro_batch, mine, amp):
+    """Forward and backward of this member's micro-batches of the global batch (X, y), each one's
+    mean-loss gradient added into the message. In float64 the sums are exact (float32 values whose
+    magnitudes lie within 2^29 of each other add without rounding), so they do not depend on who
+    computed which micro-batch, nor on the order gloo adds the members' messages in. BatchNorm:
+    each micro-batch normalised by its own statistics; micro-batch 0 alone moves the running ones.
     Returns [summed loss, hits, samples] of this member's micro-batches."""
-    count, totals = len(y) // micro_batch, torch.zeros(3, device=X.device)
+    totals = torch.zeros(3, dtype=message.dtype)
     norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     message.zero_()   # every member sends a gradient, also one with no micro-batch
     for i in mine:
         for norm in norms:
             norm.momentum = 0.1 if i == 0 else 0.0   # FT: running statistics from micro-batch 0 only (0.1: torch's)
         X_micro, y_micro = X[i * micro_batch:(i + 1) * micro_batch], y[i * micro_batch:(i + 1) * micro_batch]
+        grads.zero_()
         with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
             logits = net(X_micro)
             loss = F.cross_entropy(logits, y_micro)
-        (loss / count).backward()
-        totals[:2] += torch.stack([loss.detach().float() * len(y_micro), (logits.argmax(1) == y_micro).sum().float()])
-        totals[2] += len(y_micro)   # a Python number: no host sync per micro-batch
+        loss.backward()
+        message[:len(grads)] += grads   # FT: each micro-batch's gradient on its own, added exactly
+        totals += torch.stack([loss.detach().double() * len(y_micro), (logits.argmax(1) == y_micro).sum().double(),
+                               torch.tensor(float(len(y_micro)), dtype=torch.float64)])
     return totals
 
 def leave_group():
@@ -269,47 +417,80 @@ def leave_group():
     fails only its neighbours in gloo's ring: the others wait on a survivor)."""
     dist.destroy_process_group()   # FT: the next generation makes a new one
 
-def exchange(net, message, totals, holds_first):
-    """One allreduce of the message buffer: the gradients (summed in place), the running statistics
-    of micro-batch 0's holder (every other member sends zeros) and the step's loss sums. Returns
-    the step's [loss, hits, samples], or None when the collective failed (a member died or hung)."""
+def failure(error, started):   # what a vote says of a collective that failed, and how long it waited
+    return {"error": " ".join(str(error).split()).split("] ", 1)[-1][:160], "waited": time.monotonic() - started}
+
+def exchange(net, grads, message, totals, holds_first, count):
+    """One allreduce of the message: the gradients (summed), the running statistics of micro-batch
+    0's holder (every other member sends zeros) and the step's loss sums; then .grad is the sum over
+    `count` micro-batches, rounded once to float32. Returns (the step's [loss, hits, samples],
+    None), or (None, the failure) when the collective failed (a member died or hung)."""
     stats = buffers_of(net)
-    tail = message[sum(p.numel() for p in net.parameters()):].split([b.numel() for b in stats] + [3])
+    tail = message[len(grads):].split([b.numel() for b in stats] + [3])
     if holds_first:
         for piece, b in zip(tail, stats):
             piece.copy_(b.flatten())
     tail[-1].copy_(totals)
+    started = time.monotonic()
     try:
         dist.all_reduce(message)   # FT: on this generation's group
-    except (RuntimeError, dist.DistError):
+    except (RuntimeError, dist.DistError) as e:
         leave_group()
-        return None
+        return None, failure(e, started)
     for piece, b in zip(tail, stats):
         b.copy_(piece.view_as(b))
-    return tail[-1].clone()
+    grads.copy_(message[:len(grads)] / count)
+    return tail[-1].clone(), None
 
 def state_tensors(net, optimizer):
     """What a recovering member receives: weights, running statistics, momentum."""
     return ([p.data for p in net.parameters()] + buffers_of(net) +
             [optimizer.state[p]["momentum_buffer"] for p in net.parameters()])
 
-def recover(net, optimizer, progress, src):
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "samples", "samples_per_s", "seconds")
+
+def progress_tensor(progress, epochs):
+    """A position and its history as numbers (float64 holds them exactly): members send tensors only,
+    never an object a peer would have to unpickle."""
+    rows = [float(e[k]) for e in progress["history"] for k in EPOCH_KEYS]
+    head = [progress["step"], progress["seconds"], *progress["totals"], len(progress["history"])]
+    return torch.tensor(head + rows + [0.0] * (len(EPOCH_KEYS) * epochs - len(rows)), dtype=torch.float64)
+
+def progress_of(numbers):
+    rows = numbers[6:6 + len(EPOCH_KEYS) * int(numbers[5])].view(-1, len(EPOCH_KEYS)).tolist()
+    return {"step": int(numbers[0]), "seconds": numbers[1].item(), "totals": numbers[2:5].tolist(),
+            "history": [{**dict(zip(EPOCH_KEYS, row)), "epoch": int(row[0])} for row in rows]}
+
+def recover(net, optimizer, progress, src, epochs):
     """Live recovery: every member of the new group takes member `src`'s weights, running
-    statistics, momentum and position (it is furthest ahead). Returns the position, or None when
-    the collective failed."""
+    statistics, momentum and position (it is furthest ahead). Returns (the position, None), or
+    (None, the failure) when the collective failed."""
     tensors = state_tensors(net, optimizer)
     flat = torch.cat([t.float().flatten() for t in tensors])
-    box = [progress]
+    position = progress_tensor(progress, epochs)
+    started = time.monotonic()
     try:
         dist.broadcast(flat, src=src)   # FT: the state, from the member furthest ahead
-        dist.broadcast_object_list(box, src=src)   # FT: its position and history
-    except (RuntimeError, dist.DistError):
+        dist.broadcast(position, src=src)   # FT: its position and history
+    except (RuntimeError, dist.DistError) as e:
         leave_group()
-        return None
+        return None, failure(e, started)
     with torch.no_grad():
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(piece.view_as(t))
-    return box[0]
+    return progress_of(position), None
+
+def agree(net, optimizer):
+    """Whether every member of the new group holds the same state (a fingerprint's MAX and MIN), or
+    the failure: a member that agrees with the flags but not the weights would train apart."""
+    fingerprint = sum(t.double().sum() for t in state_tensors(net, optimizer)).reshape(1)
+    both, started = torch.cat([fingerprint, -fingerprint]), time.monotonic()
+    try:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)   # FT: once per generation, 16 bytes
+    except (RuntimeError, dist.DistError) as e:
+        leave_group()
+        return None, failure(e, started)
+    return bool(both[0] == -both[1]), None
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
 def save_checkpoint(path, net, optimizer, scheduler, position):
@@ -347,6 +528,7 @@ def schedule_at(scheduler, step):   # FT: the learning rate of `step`, for a mem
 # ---------------------------------------------------------------- a member
 def train(args):
     host, port = args.join
+    secret = the_secret(host)
     device = common.pick_device("gloo")   # FT: gloo between CPUs; see the README on GPUs
     if os.path.isdir(os.path.join(args.data_dir, "train")):
         raise SystemExit("error: ft_ddp_resnet.py trains on Fashion-MNIST held in memory; for an image folder, use "
@@ -359,42 +541,47 @@ def train(args):
         raise SystemExit(f"error: {len(y_train)} training images are fewer than one global batch of {args.batch_size}")
     net = common.resnet("fashion_resnet18", 10, args.seed).to(device)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
-    steps_per_epoch = len(y_train) // args.batch_size
+    steps_per_epoch, count = len(y_train) // args.batch_size, args.batch_size // args.micro_batch
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
                                              steps_per_epoch * args.epochs)
     for p in net.parameters():   # a momentum of zeros steps as none does; every member then holds the same tensors
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    message = message_buffer(net)
+    grads, message = gradients_of(net), message_buffer(net, getattr(torch, args.sum_dtype))
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
-    labels = zlib.crc32(y_train.numpy().tobytes())
-    flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "data": f"labels crc {labels}",
-             "member_timeout": args.member_timeout, "min_members": args.min_members}
+    # FT: all that makes the training, compared at join; the same torch and threads give the same sums
+    flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "final_step": final_step, "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}"}
     state = load_checkpoint(args.checkpoint, net, optimizer, scheduler) if args.resume else None
     if state:   # a resume as the other scripts do it: the same training flags, or refused in one line
         common.resume_check(state["flags"], {**vars(args), "data": flags["data"]}, args.checkpoint, True,
                             may_differ=("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
-                                        "init_timeout", "data_dir", "test_samples", "min_members", "member_timeout"))
+                                        "init_timeout", "data_dir", "test_samples", "min_members", "member_timeout",
+                                        "store_port", "run_id"))
         progress = {k: state[k] for k in progress}
-        print(f"resumed from {args.checkpoint}: step {progress['step']}", flush=True)
+        print(f"resumed from {args.checkpoint} (run {state['run']}): step {progress['step']}", flush=True)
         if progress["step"] >= final_step:
             print(f"nothing to train: {args.checkpoint} is at step {progress['step']}", flush=True)
             return net
-
-    def checkpoint():   # this member's own, for restarts of the whole job: where it is, with which flags
-        save_checkpoint(args.checkpoint, net, optimizer, scheduler,
-                        {**progress, "flags": {**vars(args), "data": flags["data"]}})
     common.check_out_dir(args.out)
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM"))
+    stop, kept = {"signal": None, "at": 0.0}, []   # kept: the running statistics as committed, during a step
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM", at=time.monotonic()))
+
+    def checkpoint():   # this member's own, for restarts of the whole job: where it is, of which run, with which flags
+        if kept:   # FT: in a step: its statistics are not committed
+            for b, committed in zip(buffers_of(net), kept):
+                b.copy_(committed)
+        save_checkpoint(args.checkpoint, net, optimizer, scheduler,
+                        {**progress, "run": coordinator.run, "flags": {**vars(args), "data": flags["data"]}})
 
     def join():   # FT: join the run; the coordinator gives this member its id and the store
-        coordinator = Coordinator((host, port), flags, args.init_timeout)
-        store = dist.TCPStore(host, coordinator.store_port, is_master=False,   # FT: where this run's groups meet
+        hello = {"flags": flags, "step": progress["step"], "run": state["run"] if state else None}
+        joined = Coordinator((host, port), secret, hello, args.member_timeout, args.init_timeout, stop)
+        store = dist.TCPStore(host, args.store_port or port + 1, is_master=False,   # FT: where this run's groups meet
                               timeout=datetime.timedelta(seconds=args.member_timeout))
-        print(f"member {coordinator.id}: joined the run at {host}:{port}, at step {progress['step']}", flush=True)
-        return coordinator, store
+        print(f"member {joined.id}: joined run {joined.run} at {host}:{port}, at step {progress['step']}", flush=True)
+        return joined, store
 
     def leave(line, status):   # FT: this member stops; the others go on without it
         checkpoint()
@@ -402,79 +589,90 @@ def train(args):
               f"exit status {status}", file=sys.stderr if status != common.PREEMPTED else sys.stdout, flush=True)
         raise SystemExit(status)
 
-    def rejoin(why):   # FT: told it had been dropped: it joins again, as a newcomer
-        print(f"member {coordinator.id}: dropped by the coordinator ({why}); rejoining as a newcomer", flush=True)
-        coordinator.close()
-        if dist.is_initialized():   # FT: its old group, which the others have left
-            dist.destroy_process_group()   # FT: (its peers are gone from it)
-        return (*join(), None)
+    def talk(message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member here
+        try:
+            return coordinator.ask(message) if message else coordinator.receive()
+        except Stopped:
+            leave(f"stopped by {stop['signal']} at step {progress['step']} (the other members go on)", common.PREEMPTED)
+        except CoordinatorLost as e:
+            leave(f"lost the coordinator at {host}:{port} ({e}); once it is back, --resume goes on", common.PREEMPTED)
+
+    def answered(reply):   # FT: True if the step may go on; else this member rejoins, or ends
+        nonlocal coordinator, store, gen
+        if "over" in reply:   # it hung until the run ended, or joined during its last step
+            print(f"member {coordinator.id}: {reply['over']}; nothing is left to train", flush=True)
+            raise SystemExit(0)
+        if "failed" in reply:
+            leave(reply["failed"], 1)
+        if "dropped" in reply:   # it hung past --member-timeout; the others went on without it
+            print(f"member {coordinator.id}: dropped by the coordinator ({reply['dropped']}); rejoining", flush=True)
+            checkpoint()   # its statistics as committed (and a file as current as it can be)
+            kept.clear()
+            coordinator.close()
+            if dist.is_initialized():   # FT: its old group, which the others have left
+                dist.destroy_process_group()
+            coordinator, store = join()
+            gen = None
+        return "dropped" not in reply
 
     coordinator, store = join()
     gen, generations, steps_here, counted = None, 0, 0, False
     timer = common.Timer(device, already=progress["seconds"])
     while progress["step"] < final_step:
         step = progress["step"]
-        if stop["signal"] and not counted:   # (counted in this step's quorum: the others wait for it; it goes after)
-            coordinator.close()
+        if stop["signal"]:
             leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", common.PREEMPTED)
-        try:   # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
-            quorum = coordinator.receive() if counted else coordinator.ask({"op": "ready", "step": step})
-        except CoordinatorLost as e:
-            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", common.PREEMPTED)
-        if "dropped" in quorum:   # FT: it hung past --member-timeout; the others went on without it
-            coordinator, store, gen = rejoin(quorum["dropped"])
-            counted = False
+        # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
+        quorum = talk() if counted else talk({"op": "ready", "step": step})
+        counted = False
+        if not answered(quorum):
             continue
-        rank, world_size, steps = quorum["rank"], len(quorum["members"]), quorum["steps"]
-        ok = True
+        rank, world_size, problem = quorum["rank"], quorum["world"], None
         if quorum["gen"] != gen:   # FT: a new membership: a new group, over a new prefix of the store
-            gen, generations = quorum["gen"], generations + 1
-            print(f"member {coordinator.id}: generation {gen}: members {quorum['members']} ({world_size}), "
-                  f"from step {max(steps)}", flush=True)
+            gen, generations, started = quorum["gen"], generations + 1, time.monotonic()
+            print(f"member {coordinator.id}: generation {gen}: {world_size} member(s), from step {quorum['step']}",
+                  flush=True)
             if dist.is_initialized():   # FT: the last generation's group goes
                 dist.destroy_process_group()   # FT: before this one's is made
             try:
                 dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,   # FT: its own
                                         world_size=world_size, timeout=datetime.timedelta(seconds=args.member_timeout))
-            except (RuntimeError, dist.DistError):
-                ok, gen = False, None
-        if ok and min(steps) < max(steps):   # FT: someone is behind: the member furthest ahead sends its state
-            src = steps.index(max(steps))
-            recovered = recover(net, optimizer, progress, src)
-            ok = recovered is not None
-            if ok and steps[rank] < max(steps):
-                progress = recovered
-                schedule_at(scheduler, progress["step"])
+            except (RuntimeError, dist.DistError) as e:
+                gen, problem = None, failure(e, started)
+            if not problem and quorum["src"] is None:   # FT: no one behind: the state must agree all the same
+                same, problem = agree(net, optimizer)
+                if problem is None and not same:
+                    raise SystemExit(f"error: the members hold other weights at step {step} with the same flags "
+                                     f"(another torch build, CPU or checkpoint?): this member stops")
+        if not problem and quorum["src"] is not None:   # FT: someone is behind: the member furthest ahead sends
+            recovered, problem = recover(net, optimizer, progress, quorum["src"], args.epochs)
+            if recovered and recovered["step"] != step:
+                progress, step = recovered, recovered["step"]
+                schedule_at(scheduler, step)
                 timer = common.Timer(device, already=progress["seconds"])
-                print(f"member {coordinator.id}: recovered live from member {quorum['members'][src]} at step "
-                      f"{progress['step']}", flush=True)
-                step = progress["step"]
-        kept = [b.clone() for b in buffers_of(net)]   # FT: running statistics as committed, should the step fail
-        if ok:
+                print(f"member {coordinator.id}: recovered live at step {step}", flush=True)
+        kept[:] = [b.clone() for b in buffers_of(net)]
+        if not problem:
             epoch, batch_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
             idx = global_batch(len(y_train), args.batch_size, args.seed, epoch, batch_in_epoch)
-            mine = my_micro_batches(args.batch_size // args.micro_batch, rank, world_size)   # FT: this member's share
+            mine = my_micro_batches(count, rank, world_size)   # FT: this member's share
             net.train()
-            totals = compute(net, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
-            step_totals = exchange(net, message, totals, holds_first=0 in mine)   # FT: gradients, statistics, sums
-            ok = step_totals is not None
+            totals = compute(net, grads, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
+            step_totals, problem = exchange(net, grads, message, totals, 0 in mine, count)   # FT: sums, statistics
         # FT: all apply the step, or none; "next": this member is ready for the next step's quorum too
         # (one message to the coordinator per step; not at the last step, nor when it was told to stop)
         counted = step + 1 < final_step and not stop["signal"]
-        try:
-            commit = coordinator.ask({"op": "vote", "step": step, "ok": ok, "next": counted})
-        except CoordinatorLost as e:
-            leave(f"the coordinator at {host}:{port} is gone ({e}): run the job again with --resume", common.PREEMPTED)
-        if "dropped" in commit:
-            for b, committed in zip(buffers_of(net), kept):
-                b.copy_(committed)
-            coordinator, store, gen = rejoin(commit["dropped"])
+        commit = talk({"op": "vote", "step": step, "ok": problem is None, "next": counted,
+                       **(problem or {"error": "", "waited": 0.0})})
+        if not answered(commit):
             counted = False
             continue
         if not commit["commit"]:   # FT: no member applies it; the next quorum computes this step again
             for b, committed in zip(buffers_of(net), kept):
                 b.copy_(committed)
+            kept.clear()
             continue
+        kept.clear()
         optimizer.step()
         scheduler.step()
         for name, b in net.named_buffers():
@@ -534,7 +732,16 @@ def parse_args(argv=None):
                    help="the fixed size of the micro-batches each global batch is cut into and shared out")
     p.add_argument("--min-members", type=common.positive_int, default=1, help="the first step waits for this many")
     p.add_argument("--member-timeout", type=common.positive_float, default=30,
-                   help="seconds without an answer after which a member is dropped (and collectives give up)")
+                   help="seconds a member may make no progress while others wait before it is dropped (and "
+                        "collectives give up); as long without a word from the coordinator, a member leaves")
+    p.add_argument("--store-port", type=common.positive_int,
+                   help="the port of the store the members' groups meet in, on the coordinator's host (default: "
+                        "PORT + 1)")
+    p.add_argument("--run-id", help="the coordinator's run: give the one it printed to continue that run after a "
+                                    "restart (default: a new run)")
+    p.add_argument("--sum-dtype", choices=("float64", "float32"), default="float64",
+                   help="what the step's gradients are summed in: float64 gives the same bits whoever computes "
+                        "which micro-batch; float32 sends half the bytes")
     p.add_argument("--checkpoint", help="this member's checkpoint, for restarts of the whole job (default: "
                                         "<out>/checkpoint.pt), written on SIGTERM, every --checkpoint-every steps "
                                         "and when the coordinator is lost")

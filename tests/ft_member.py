@@ -4,10 +4,11 @@
 
 WHERE: `backward` (SIGKILL from a gradient hook in the middle of backward), `allreduce` (SIGKILL
 20 ms into the gradients' allreduce), `before-vote` (the allreduce done, the vote not sent: between
-allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's state). STEP: the
-member's STEP-th attempt at a step (0-based), or its first recovery. This file patches the
-script's functions in its own process only."""
-import os, signal, sys, threading
+allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's state), `broken`
+(from its STEP-th attempt on, its allreduce fails at once, as over a broken link: it leaves the
+group and votes no). STEP: the member's STEP-th attempt at a step (0-based), or its first
+recovery. This file patches the script's functions in its own process only."""
+import os, signal, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ft_ddp_resnet
 
@@ -31,6 +32,9 @@ def exchange_then_maybe_die(*args, **kwargs):
     if where == "allreduce" and attempts[0] == at:
         die(after=0.02)
     attempts[0] += 1
+    if where == "broken" and attempts[0] > at:
+        ft_ddp_resnet.leave_group()
+        return None, ft_ddp_resnet.failure(RuntimeError("Connection reset by peer (a broken link)"), time.monotonic())
     return exchange(*args, **kwargs)
 
 def recover_then_maybe_die(*args, **kwargs):
