@@ -212,10 +212,10 @@ def serve(args):
         # FT: liveness is progress. A member that neither voted nor asked for a quorum within --member-timeout
         # of a member that waits is dropped; so is a member of the generation that has not voted when a peer's
         # collective timed out waiting for it.
-        # (A peer whose collective failed with it votes within milliseconds: a grace keeps it from being dropped.)
+        # (A peer whose collective failed with it votes within milliseconds: 0.25 s keeps it from being dropped.)
         waits = [c["since"] for c in live.values() if c["want"]]
         timed_out = any(c["want"]["op"] == "vote" and not c["want"]["ok"] and c["want"]["waited"] >= 0.9 * timeout
-                        and now - c["since"] > min(1.0, timeout / 3) for c in live.values() if c["want"])
+                        and now - c["since"] > 0.25 for c in live.values() if c["want"])
         for i, conn in list(live.items()):
             if not conn["want"] and waits and now - max(min(waits), conn["since"]) > timeout:
                 drop(conn, f"no vote and no request for {timeout:g} s while the others waited")
