@@ -5,25 +5,18 @@
     until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
 
 (the last line: a member, restarted until it finishes (0) or fails for good (1); start as many as
-you like, on any machines, whenever you like). ddp_resnet.py ends every rank when one dies. Here
-the members that remain go on. Before every step the live members agree on who takes part (a
-quorum, one generation of membership); when that changes, each builds a new process group over
-the coordinator's store (a new key prefix). A member behind the others (a newcomer, a restarted
-one) receives the weights, momentum and position from the member furthest ahead: no file is read.
+you like, on any machines, whenever you like). ddp_resnet.py ends every rank when one dies; here
+the others go on. Before every step the live members agree on who takes part (a quorum, one
+generation); when that changes, each builds a new process group over the coordinator's store. A
+member behind the others receives the state of the one furthest ahead: no file is read.
 
-The training does not depend on who computes it. Step s's global batch is cut into micro-batches
-of --micro-batch, shared among the members; the gradient is the sum of each micro-batch's
-mean-loss gradient, divided by their count, summed in float64: exactly, so 1, 2 or 3 members, any
-faults, give the same weights bit for bit. Only micro-batch 0 updates BatchNorm's running statistics.
-
-A step is applied by all its members or by none: after the allreduce each member votes, and the
-coordinator answers "commit" only if every member of the generation voted yes; else the next
-quorum computes the step again. The vote also asks for the next quorum: one round trip a step.
-The coordinator is a single point: lost, each member writes its checkpoint and exits 75, and
-comes back with --resume once it is served again with the same --run-id.
-
-No DistributedDataParallel: it is bound to one process group, and a failed allreduce leaves its
-reducer in a state it does not recover from. The gradients go in one allreduce after backward.
+The gradient is the sum of each micro-batch's mean-loss gradient (--micro-batch), divided by their
+count, summed in float64: exactly, so any members, any faults, give the same weights bit for bit.
+A step is applied by all its members or by none: each votes after the allreduce, and the
+coordinator commits only if all voted yes; else the next quorum computes it again. The coordinator
+is a single point: lost, each member writes its checkpoint and exits 75 (the loop above brings it
+back once the coordinator is served again with the same --run-id). No DistributedDataParallel: a
+failed allreduce leaves its reducer in a state it does not recover from.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
 import argparse, contextlib, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
@@ -42,7 +35,7 @@ PROVE_WITHIN = 5.0   # seconds a new connection has to prove it knows FT_SECRET
 MAX_UNPROVEN = 64    # connections still to prove it; with more at once (a flood), the oldest is closed
 MESSAGES = {"join": {"proof": str, "challenge": str, "flags": dict, "step": int, "run": (str, type(None))},
             "ready": {"step": int}, "vote": {"step": int, "ok": bool, "next": bool, "waited": (int, float),
-                                             "error": str}, "done": {}}
+                                             "error": str}}
 
 def parse(line):
     """A message of this protocol (a JSON object of a known op, its fields of the right types), else ValueError."""
@@ -50,8 +43,8 @@ def parse(line):
         message = json.loads(line)
     except (ValueError, RecursionError):   # RecursionError: "[[[[..." nested past Python's limit
         raise ValueError("not a line of JSON") from None
-    op = message.get("op") if isinstance(message, dict) else None
-    if not isinstance(op, str) or op not in MESSAGES:
+    op = str(message.get("op")) if isinstance(message, dict) else None   # (str: a list is no op, nor a key)
+    if op not in MESSAGES:
         raise ValueError("not a message of this protocol")
     wrong = [k for k, kind in MESSAGES[op].items() if not isinstance(message.get(k), kind)]
     if wrong:
@@ -59,8 +52,7 @@ def parse(line):
     return message
 
 def the_secret(host):
-    """FT_SECRET, which every member proves it knows (an HMAC of a fresh challenge, never the secret itself);
-    it may be left out only where no other machine can connect."""
+    """FT_SECRET, proven by an HMAC of a fresh challenge; left out only where no other machine can connect."""
     secret = os.environ.get("FT_SECRET", "")
     with contextlib.suppress(OSError, ValueError):
         if not secret and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
@@ -74,12 +66,8 @@ def proof(secret, challenge):   # FT: only a holder of the secret computes it
 
 # ---------------------------------------------------------------- the coordinator: membership, quorums, commits
 def serve(args):
-    """The membership. Holds the store the process groups meet in, and one connection per member. A
-    member that dies closes it (seen at once); one that makes no progress (no vote, no request for
-    a quorum) for --member-timeout while others wait is dropped, as is one its peers' collective
-    timed out on. Forms a quorum when every live member asks for one, decides commits, and beats to
-    every member so that each notices a coordinator that hangs. Ends on SIGTERM, or once the run
-    has finished and its members have left."""
+    """The membership: one connection per member (a member that dies closes it), quorums, commits, a
+    beat to every member each second. Ends on SIGTERM, or once the run is over and its members left."""
     host, port = args.serve
     secret, run_id = the_secret(host), args.run_id or secrets.token_hex(4)
     store = dist.TCPStore(host, args.store_port or port + 1, is_master=True,   # FT: the groups meet here
@@ -113,33 +101,32 @@ def serve(args):
         return f"member {conn['id']}" if conn.get("joined") else f"the connection from {conn['peer']}"
 
     def join(conn, message):
-        """A connection proves it knows the secret, and joins if its flags and its checkpoint's run agree."""
+        """A connection that proves it knows the secret joins, if its flags and its checkpoint's run agree."""
         if not hmac.compare_digest(message["proof"], proof(secret, conn["challenge"])):
             raise ValueError("it does not know FT_SECRET")
-        flags, live = message["flags"], [c for c in conns.values() if c.get("joined") and not c.get("dropped")]
-        if not (isinstance(flags.get("member_timeout"), (int, float)) and flags["member_timeout"] > 0 and
-                isinstance(flags.get("min_members"), int) and isinstance(flags.get("final_step"), int)):
+        flags = message["flags"]
+        if not all(isinstance(flags.get(k), (int, float)) for k in ("member_timeout", "min_members", "final_step")):
             raise ValueError("join with unusable flags")
+        if not any(c.get("joined") and not c.get("dropped") for c in conns.values()):
+            run["flags"] = flags   # FT: the run's flags are those of its live members (or who comes back)
+        differ = [f"{k} {flags.get(k)} here, {v} in the run" for k, v in run["flags"].items()
+                  if flags.get(k) != v and k != "min_members"]   # (that one counts for the first quorum only)
         answer = {"proof": proof(secret, message["challenge"])}   # FT: the coordinator proves it too
         if run["finished"] is not None:   # a member after the end (even during the last step): nothing to train
-            send(conn, {**answer, "over": f"the run is over: its members finished step {run['step']}"})
+            answer["over"] = f"the run is over: its members finished step {run['step']}"
         elif message["run"] not in (None, run_id):
-            send(conn, {**answer, "refused": f"error: its checkpoint is of run {message['run']}, and this coordinator"
-                                             f" serves run {run_id}: start it without --resume, or serve that run "
-                                             f"(--run-id {message['run']})"})
+            answer["refused"] = (f"error: its checkpoint is of run {message['run']}, and this coordinator serves run "
+                                 f"{run_id}: start it without --resume, or serve that run (--run-id {message['run']})")
+        elif differ:
+            answer["refused"] = (f"error: this member's training flags differ from the run's ({'; '.join(differ)}): "
+                                 f"start it with the run's flags")
         else:
-            if not live:   # FT: the run's flags are those of its live members (or of who comes back with a checkpoint)
-                run["flags"] = flags
-            differ = [f"{k} {flags.get(k)} here, {v} in the run" for k, v in run["flags"].items()
-                      if flags.get(k) != v and k != "min_members"]   # (that one counts for the first quorum only)
-            if differ:
-                send(conn, {**answer, "refused": f"error: this member's training flags differ from the run's "
-                                                 f"({'; '.join(differ)}): start it with the run's flags"})
-            else:
-                conn.update(joined=True, want=None, since=time.monotonic())
-                print(f"coordinator: member {conn['id']} joined from {conn['peer']} at step {message['step']}", flush=True)
-                return send(conn, {**answer, "id": conn["id"], "run": run_id})
-        conn["lost"] = "was answered and let go"
+            conn.update(joined=True, want=None, since=time.monotonic())
+            print(f"coordinator: member {conn['id']} joined from {conn['peer']} at step {message['step']}", flush=True)
+            answer.update(id=conn["id"], run=run_id)
+        send(conn, answer)
+        if not conn.get("joined"):
+            conn["lost"] = "was answered and let go"
 
     def handle(cid, message):
         conn, op = conns[cid], message["op"]
@@ -154,8 +141,6 @@ def serve(args):
             send(conn, {"over": f"the run ended while this member hung: its members finished step {run['step']}"}
                  if over else {"dropped": conn["dropped"]})
             conn["lost"] = "was told the run is over" if over else "was told it had been dropped"
-        elif op == "done":
-            conn["done"] = True
         else:
             conn.update(want=message, since=time.monotonic())
 
@@ -170,8 +155,8 @@ def serve(args):
                     sock, peer = listener.accept()
                     sock.setblocking(False)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once
-                    conns[next_id] = conn = {"id": next_id, "sock": sock, "peer": f"{peer[0]}:{peer[1]}",
-                                             "buffer": b"", "opened": time.monotonic(), "challenge": secrets.token_hex(16)}
+                    conns[next_id] = conn = {"id": next_id, "sock": sock, "peer": f"{peer[0]}:{peer[1]}", "buffer": b"",
+                                             "opened": time.monotonic(), "challenge": secrets.token_hex(16)}
                     selector.register(sock, selectors.EVENT_READ, next_id)
                     next_id += 1
                     unproven = [c for c in conns.values() if not c.get("joined") and "lost" not in c]
@@ -185,7 +170,7 @@ def serve(args):
             except OSError:
                 data = b""
             if not data:
-                close(cid, None if not conn.get("joined") else f"member {cid} finished" if conn.get("done") else
+                close(cid, None if not conn.get("joined") else f"member {cid} finished" if run["finished"] else
                       f"member {cid} is gone (its connection closed)")
                 continue
             conn["buffer"] += data
@@ -207,8 +192,7 @@ def serve(args):
             for conn in conns.values():
                 if conn.get("joined"):
                     send(conn, {"beat": 1})
-        live = {i: c for i, c in conns.items() if c.get("joined") and not c.get("dropped") and not c.get("done")
-                and "lost" not in c}
+        live = {i: c for i, c in conns.items() if c.get("joined") and not c.get("dropped") and "lost" not in c}
         # FT: liveness is progress. A member that neither voted nor asked for a quorum within --member-timeout
         # of a member that waits is dropped; so is a member of the generation that has not voted when a peer's
         # collective timed out waiting for it.
@@ -285,8 +269,7 @@ class Stopped(Exception):   # a SIGTERM came while this member waited for the co
     pass
 
 class Coordinator:
-    """A member's connection to the coordinator: requests answered in turn. The coordinator beats
-    every second or so: silent for --member-timeout, it is taken as lost (hung or unreachable)."""
+    """A member's connection to the coordinator, which beats each second: silent for --member-timeout, it is lost."""
     def __init__(self, address, secret, hello, timeout, init_timeout, stop):
         host, port = address
         deadline = time.monotonic() + init_timeout
@@ -300,16 +283,14 @@ class Coordinator:
                                      f"({e.strerror or e}); start one with: python ft_ddp_resnet.py --serve "
                                      f"{host}:{port}") from None
                 time.sleep(0.2)
-        self.sock.settimeout(None)
-        # Small messages leave at once: with Nagle's algorithm a request would wait for the
-        # coordinator's delayed acknowledgement of the one before (up to 40 ms on Linux).
+        # Small messages leave at once (Nagle's algorithm would wait for an acknowledgement, up to 40 ms).
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer, self.timeout, self.stop = b"", timeout, stop
         mine = secrets.token_hex(16)
         try:
             challenge = self.receive().get("challenge")
             answer = self.ask({**hello, "op": "join", "proof": proof(secret, str(challenge)), "challenge": mine})
-        except CoordinatorLost:   # it closes on a member that does not prove the secret
+        except (CoordinatorLost, ValueError, AttributeError):   # closed on a member that does not prove the secret
             answer = {}
         if not hmac.compare_digest(str(answer.get("proof")), proof(secret, mine)):   # FT: a coordinator of this run
             raise SystemExit(f"error: {host}:{port} refused this member or does not know FT_SECRET: give the "
@@ -338,12 +319,7 @@ class Coordinator:
         while True:
             if b"\n" in self.buffer:
                 line, self.buffer = self.buffer.split(b"\n", 1)
-                try:
-                    message = json.loads(line)
-                except ValueError:
-                    message = None
-                if not isinstance(message, dict):
-                    raise CoordinatorLost("it sent something that is not a message")
+                message = json.loads(line)   # a coordinator that proved it knows FT_SECRET
                 if "beat" not in message:
                     return message
                 heard = time.monotonic()
@@ -362,14 +338,7 @@ class Coordinator:
             if time.monotonic() - heard > self.timeout:
                 raise CoordinatorLost(f"not a word from it for {self.timeout:g} s: it hangs or cannot be reached")
 
-    def close(self):
-        self.sock.close()
-
 # ---------------------------------------------------------------- one step, the same whoever computes it
-def my_micro_batches(count, rank, world_size):
-    """This member's share of the step's `count` micro-batches: a contiguous run, uneven counts allowed."""
-    return range(count * rank // world_size, count * (rank + 1) // world_size)
-
 def buffers_of(net):   # BatchNorm's running statistics (its step counters are set after each committed step)
     return [b for name, b in net.named_buffers() if not name.endswith("num_batches_tracked")]
 
@@ -382,18 +351,16 @@ def gradients_of(net):
     return flat
 
 def message_buffer(net, dtype):
-    """The one tensor each step's allreduce sends: the summed gradients, then BatchNorm's running
-    statistics, then the step's loss sums (ResNet-18's gradients are 45 MB in float32)."""
+    """What each step's allreduce sends: the gradients, BatchNorm's running statistics, the loss sums."""
     return torch.zeros(sum(p.numel() for p in net.parameters()) + sum(b.numel() for b in buffers_of(net)) + 3,
                        dtype=dtype)
 
 def compute(net, grads, message, X, y, micro_batch, mine, amp):
-    """Forward and backward of this member's micro-batches of the global batch (X, y), each one's
-    mean-loss gradient added into the message. In float64 the sums are exact (float32 values whose
-    magnitudes lie within 2^29 of each other add without rounding), so they do not depend on who
-    computed which micro-batch, nor on the order gloo adds the members' messages in. BatchNorm:
-    each micro-batch normalised by its own statistics; micro-batch 0 alone moves the running ones.
-    Returns [summed loss, hits, samples] of this member's micro-batches."""
+    """This member's micro-batches of the global batch (X, y), each one's mean-loss gradient added into the
+    message. float64 holds the exact sum of float32 values unless their magnitudes differ by more than ~2^25
+    (then the float32 result still agrees but for a ~2^-29 chance), so it depends neither on who computed which
+    micro-batch nor on gloo's order. Micro-batch 0 alone moves BatchNorm's running statistics. Returns
+    [summed loss, hits, samples] of this member's micro-batches."""
     totals = torch.zeros(3, dtype=message.dtype)
     norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     message.zero_()   # every member sends a gradient, also one with no micro-batch
@@ -411,20 +378,16 @@ def compute(net, grads, message, X, y, micro_batch, mine, amp):
                                torch.tensor(float(len(y_micro)), dtype=torch.float64)])
     return totals
 
-def leave_group():
-    """A collective failed: leave its group at once. Its connections close, so a member still waiting
-    inside the collective for this one fails now, not at the group's timeout (a member that died
-    fails only its neighbours in gloo's ring: the others wait on a survivor)."""
-    dist.destroy_process_group()   # FT: the next generation makes a new one
+def leave_group():   # a collective failed: its connections close, so a peer still in it fails now, not at the
+    dist.destroy_process_group()   # FT: timeout (in gloo's ring a death fails only its neighbours at once)
 
 def failure(error, started):   # what a vote says of a collective that failed, and how long it waited
     return {"error": " ".join(str(error).split()).split("] ", 1)[-1][:160], "waited": time.monotonic() - started}
 
 def exchange(net, grads, message, totals, holds_first, count):
-    """One allreduce of the message: the gradients (summed), the running statistics of micro-batch
-    0's holder (every other member sends zeros) and the step's loss sums; then .grad is the sum over
-    `count` micro-batches, rounded once to float32. Returns (the step's [loss, hits, samples],
-    None), or (None, the failure) when the collective failed (a member died or hung)."""
+    """One allreduce of the message: gradients, micro-batch 0's holder's running statistics (the others send
+    zeros), loss sums; then .grad is their sum over `count` micro-batches, rounded once to float32. Returns
+    (the step's [loss, hits, samples], None), or (None, the failure) when the collective failed."""
     stats = buffers_of(net)
     tail = message[len(grads):].split([b.numel() for b in stats] + [3])
     if holds_first:
@@ -442,16 +405,14 @@ def exchange(net, grads, message, totals, holds_first, count):
     grads.copy_(message[:len(grads)] / count)
     return tail[-1].clone(), None
 
-def state_tensors(net, optimizer):
-    """What a recovering member receives: weights, running statistics, momentum."""
+def state_tensors(net, optimizer):   # what a recovering member receives: weights, running statistics, momentum
     return ([p.data for p in net.parameters()] + buffers_of(net) +
             [optimizer.state[p]["momentum_buffer"] for p in net.parameters()])
 
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "samples", "samples_per_s", "seconds")
 
 def progress_tensor(progress, epochs):
-    """A position and its history as numbers (float64 holds them exactly): members send tensors only,
-    never an object a peer would have to unpickle."""
+    """A position and its history as float64 numbers: members send tensors only, nothing to unpickle."""
     rows = [float(e[k]) for e in progress["history"] for k in EPOCH_KEYS]
     head = [progress["step"], progress["seconds"], *progress["totals"], len(progress["history"])]
     return torch.tensor(head + rows + [0.0] * (len(EPOCH_KEYS) * epochs - len(rows)), dtype=torch.float64)
@@ -479,18 +440,6 @@ def recover(net, optimizer, progress, src, epochs):
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(piece.view_as(t))
     return progress_of(position), None
-
-def agree(net, optimizer):
-    """Whether every member of the new group holds the same state (a fingerprint's MAX and MIN), or
-    the failure: a member that agrees with the flags but not the weights would train apart."""
-    fingerprint = sum(t.double().sum() for t in state_tensors(net, optimizer)).reshape(1)
-    both, started = torch.cat([fingerprint, -fingerprint]), time.monotonic()
-    try:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)   # FT: once per generation, 16 bytes
-    except (RuntimeError, dist.DistError) as e:
-        leave_group()
-        return None, failure(e, started)
-    return bool(both[0] == -both[1]), None
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
 def save_checkpoint(path, net, optimizer, scheduler, position):
@@ -550,9 +499,11 @@ def train(args):
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
-    # FT: all that makes the training, compared at join; the same torch and threads give the same sums
+    # FT: all that makes the training, compared at join, the first step's weights too; the same torch and threads
+    # give the same sums
     flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "final_step": final_step, "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}"}
+             "threads": torch.get_num_threads(), "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}",
+             "weights": f"crc {zlib.crc32(torch.cat([p.detach().flatten() for p in net.parameters()]).numpy())}"}
     state = load_checkpoint(args.checkpoint, net, optimizer, scheduler) if args.resume else None
     if state:   # a resume as the other scripts do it: the same training flags, or refused in one line
         common.resume_check(state["flags"], {**vars(args), "data": flags["data"]}, args.checkpoint, True,
@@ -568,10 +519,13 @@ def train(args):
     stop, kept = {"signal": None, "at": 0.0}, []   # kept: the running statistics as committed, during a step
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM", at=time.monotonic()))
 
+    def uncommitted():   # FT: the step is not applied: BatchNorm's running statistics go back to the committed ones
+        for b, committed in zip(buffers_of(net), kept):
+            b.copy_(committed)
+        kept.clear()
+
     def checkpoint():   # this member's own, for restarts of the whole job: where it is, of which run, with which flags
-        if kept:   # FT: in a step: its statistics are not committed
-            for b, committed in zip(buffers_of(net), kept):
-                b.copy_(committed)
+        uncommitted()
         save_checkpoint(args.checkpoint, net, optimizer, scheduler,
                         {**progress, "run": coordinator.run, "flags": {**vars(args), "data": flags["data"]}})
 
@@ -607,10 +561,9 @@ def train(args):
         if "dropped" in reply:   # it hung past --member-timeout; the others went on without it
             print(f"member {coordinator.id}: dropped by the coordinator ({reply['dropped']}); rejoining", flush=True)
             checkpoint()   # its statistics as committed (and a file as current as it can be)
-            kept.clear()
-            coordinator.close()
+            coordinator.sock.close()
             if dist.is_initialized():   # FT: its old group, which the others have left
-                dist.destroy_process_group()
+                dist.destroy_process_group()   # FT: (a new one comes with its next generation)
             coordinator, store = join()
             gen = None
         return "dropped" not in reply
@@ -639,11 +592,6 @@ def train(args):
                                         world_size=world_size, timeout=datetime.timedelta(seconds=args.member_timeout))
             except (RuntimeError, dist.DistError) as e:
                 gen, problem = None, failure(e, started)
-            if not problem and quorum["src"] is None:   # FT: no one behind: the state must agree all the same
-                same, problem = agree(net, optimizer)
-                if problem is None and not same:
-                    raise SystemExit(f"error: the members hold other weights at step {step} with the same flags "
-                                     f"(another torch build, CPU or checkpoint?): this member stops")
         if not problem and quorum["src"] is not None:   # FT: someone is behind: the member furthest ahead sends
             recovered, problem = recover(net, optimizer, progress, quorum["src"], args.epochs)
             if recovered and recovered["step"] != step:
@@ -655,7 +603,7 @@ def train(args):
         if not problem:
             epoch, batch_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
             idx = global_batch(len(y_train), args.batch_size, args.seed, epoch, batch_in_epoch)
-            mine = my_micro_batches(count, rank, world_size)   # FT: this member's share
+            mine = range(count * rank // world_size, count * (rank + 1) // world_size)   # FT: this member's share
             net.train()
             totals = compute(net, grads, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
             step_totals, problem = exchange(net, grads, message, totals, 0 in mine, count)   # FT: sums, statistics
@@ -668,9 +616,7 @@ def train(args):
             counted = False
             continue
         if not commit["commit"]:   # FT: no member applies it; the next quorum computes this step again
-            for b, committed in zip(buffers_of(net), kept):
-                b.copy_(committed)
-            kept.clear()
+            uncommitted()
             continue
         kept.clear()
         optimizer.step()
@@ -690,8 +636,7 @@ def train(args):
             timer = common.Timer(device)
         if args.checkpoint_every and progress["step"] % args.checkpoint_every == 0:   # after an epoch's evaluation
             checkpoint()
-    coordinator.tell({"op": "done"})
-    coordinator.close()
+    coordinator.sock.close()
     metrics.update(generations=generations, epochs=progress["history"])
     common.finish(metrics, progress["step"], sum(e["seconds"] for e in metrics["epochs"]), net.state_dict(),
                   {"all_reduce (the members)": message.numel() * message.element_size()} if steps_here else {})
@@ -732,19 +677,13 @@ def parse_args(argv=None):
                    help="the fixed size of the micro-batches each global batch is cut into and shared out")
     p.add_argument("--min-members", type=common.positive_int, default=1, help="the first step waits for this many")
     p.add_argument("--member-timeout", type=common.positive_float, default=30,
-                   help="seconds a member may make no progress while others wait before it is dropped (and "
-                        "collectives give up); as long without a word from the coordinator, a member leaves")
-    p.add_argument("--store-port", type=common.positive_int,
-                   help="the port of the store the members' groups meet in, on the coordinator's host (default: "
-                        "PORT + 1)")
-    p.add_argument("--run-id", help="the coordinator's run: give the one it printed to continue that run after a "
-                                    "restart (default: a new run)")
+                   help="seconds of no progress, while others wait, that drop a member; as long unheard, a coordinator")
+    p.add_argument("--store-port", type=common.positive_int, help="where the groups meet (default: PORT + 1)")
+    p.add_argument("--run-id", help="the coordinator's run: the one it printed continues that run (default: a new one)")
     p.add_argument("--sum-dtype", choices=("float64", "float32"), default="float64",
-                   help="what the step's gradients are summed in: float64 gives the same bits whoever computes "
-                        "which micro-batch; float32 sends half the bytes")
-    p.add_argument("--checkpoint", help="this member's checkpoint, for restarts of the whole job (default: "
-                                        "<out>/checkpoint.pt), written on SIGTERM, every --checkpoint-every steps "
-                                        "and when the coordinator is lost")
+                   help="float64 sums give the same bits whoever computes what; float32 sends half the bytes")
+    p.add_argument("--checkpoint", help="this member's checkpoint (default: <out>/checkpoint.pt), written on SIGTERM, "
+                                        "every --checkpoint-every steps and when the coordinator is lost")
     p.add_argument("--checkpoint-every", type=common.positive_int, help="also write it every N committed steps")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint (then from the member ahead)")
     args = p.parse_args(argv)
@@ -753,9 +692,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.serve:
-        return serve(args)
-    return train(args)
+    return serve(args) if args.serve else train(args)
 
 if __name__ == "__main__":
     main()

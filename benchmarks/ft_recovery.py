@@ -9,7 +9,11 @@ Three processes on this machine (one thread each), ResNet-18 for 28x28 images, 8
 step. Every step's end is stamped with the time (a wrapper around each script, in this file: the
 scripts print no line per step). A kill lands in the middle of a step (half a normal step after
 the kill_at-th is stamped). Time lost per failure: from the SIGKILL of one process to the next
-step any survivor commits, minus one normal step (the median of the steps before the kill).
+step any survivor commits, minus one normal step (the median of the steps before the kill). A hang
+is a SIGSTOP at the same point, with every timeout at 3 s (ft_ddp_resnet.py's --member-timeout;
+torchft's Manager timeout and its lighthouse's heartbeat timeout). torchft runs with the lighthouse's
+join timeout at 1 s and at 0.1 s (with a dead replica's heartbeat still fresh, the lighthouse waits
+that long for it before a quorum without it).
 """
 import argparse, json, os, re, signal, statistics, subprocess, sys, tempfile, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +43,7 @@ def stamped(kind):
     sys.argv = [module.__file__] + sys.argv[3:]
     module.main()
 
-def torchft_member(lighthouse, replica, steps):
+def torchft_member(lighthouse, replica, steps, timeout_s):
     """Run as a wrapper: one torchft replica group of one process, the same model, batch and rate as
     the others here: torchft's Manager over its ProcessGroupGloo, a quorum started before each
     step, the gradients averaged in one allreduce (torchft's DDP wrapper did not survive a kill on
@@ -53,7 +57,7 @@ def torchft_member(lighthouse, replica, steps):
     net = common.resnet("fashion_resnet18", 10, 0)
     optimizer, _ = common.sgd_recipe(net, 0.002 * 24 / 256, 5e-4, 0, steps)   # at a constant rate
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)   # this replica group's own
-    timeout = datetime.timedelta(seconds=10)
+    timeout = datetime.timedelta(seconds=timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, timeout=timeout,
                       load_state_dict=lambda s: (net.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
                       state_dict=lambda: {"model": net.state_dict(), "optim": optimizer.state_dict()},
@@ -87,32 +91,36 @@ def mid_step(log, kill_at):
     times = [t for _, t in marks]
     return times[-1] + statistics.median(b - a for a, b in zip(times[1:], times[2:])) / 2
 
-def until_two_finish(members, log, kill_at):
-    """Wait for the first two members to end; with kill_at, SIGKILL the third in the middle of the
-    step after the first has committed kill_at steps. Returns the first's stamps and the time of the kill."""
+def until_two_finish(members, log, kill_at, how="kill"):
+    """Wait for the first two members to end; with kill_at, SIGKILL the third (`how`: or SIGSTOP it, a
+    hang) in the middle of the step after the first has committed kill_at steps. Returns the first's
+    stamps and the time of the fault."""
     killed, at = None, None
     while any(m.poll() is None for m in members[:2]):
         time.sleep(0.005)
         at = at or (kill_at and mid_step(log, kill_at))
         if at and killed is None and time.time() >= at:
-            members[2].kill()
+            members[2].send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             killed = time.time()
+    members[2].send_signal(signal.SIGCONT)
+    members[2].kill()
     return stamps(open(log.name).read()), killed
 
-def run_ft(out, steps, kill_at):
-    """3 members; with kill_at, one of them is SIGKILLed once the run has committed kill_at steps."""
+def run_ft(out, steps, kill_at, sums="float64", how="kill", timeout_s=10):
+    """3 members; with kill_at, one of them is SIGKILLed (or stopped) once the run has committed kill_at steps."""
     import common
-    address = f"127.0.0.1:{common.free_port()}"
+    address, store = f"127.0.0.1:{common.free_port()}", ["--store-port", str(common.free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--train-samples", str(24 * steps), "--test-samples", "10", "--batch-size", "24", "--micro-batch", "8",
-             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", "10"]
-    coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address], cwd=ROOT, env=env,
+             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", str(timeout_s), "--sum-dtype", sums,
+             *store]
+    coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address, *store], cwd=ROOT, env=env,
                                    stdout=subprocess.DEVNULL)
     logs = [open(os.path.join(out, f"m{i}.log"), "w+") for i in range(3)]
     members = [subprocess.Popen([sys.executable, __file__, "stamped", "ft", "--join", address,
                                  "--out", os.path.join(out, f"m{i}")] + flags, cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
-    marks, killed = until_two_finish(members, logs[0], kill_at)
+    marks, killed = until_two_finish(members, logs[0], kill_at, how)
     coordinator.kill()
     return marks, killed
 
@@ -136,17 +144,19 @@ def run_restart(out, steps, kill_at):
             killed = time.time()
     return stamps(open(log.name).read()), killed
 
-def run_torchft(out, steps, kill_at):
-    """3 torchft replica groups of one process and a lighthouse (join timeout 1 s, heartbeat timeout
-    5 s); with kill_at, the third is SIGKILLed in the middle of the step after the first's kill_at-th."""
+def run_torchft(out, steps, kill_at, how="kill", join_ms=1000, timeout_s=10):
+    """3 torchft replica groups of one process and a lighthouse (join timeout join_ms, heartbeat timeout
+    and the Manager's timeout timeout_s); with kill_at, the third is SIGKILLed (or stopped) in the middle
+    of the step after the first's kill_at-th."""
     from torchft.coordination import LighthouseServer
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=5000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=join_ms,
+                                  heartbeat_timeout_ms=int(timeout_s * 1000))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [open(os.path.join(out, f"r{i}.log"), "w+") for i in range(3)]
-    members = [subprocess.Popen([sys.executable, __file__, "torchft", lighthouse.address(), str(i), str(steps)],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
-    marks, killed = until_two_finish(members, logs[0], kill_at)
-    members[2].kill()
+    members = [subprocess.Popen([sys.executable, __file__, "torchft", lighthouse.address(), str(i), str(steps),
+                                 str(timeout_s)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+               for i, log in enumerate(logs)]
+    marks, killed = until_two_finish(members, logs[0], kill_at, how)
     lighthouse.shutdown()
     return marks, killed
 
@@ -172,7 +182,7 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "stamped":
         return stamped(sys.argv[2])
     if len(sys.argv) > 2 and sys.argv[1] == "torchft":
-        return torchft_member(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return torchft_member(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--kill-at", type=int, default=10)
@@ -180,14 +190,22 @@ def main():
     import torch
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
           f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill in the middle of step {args.kill_at + 1}", flush=True)
+    float32 = lambda out, steps, kill_at: run_ft(out, steps, kill_at, "float32")
     results, runs = {}, [("ft_ddp_resnet.py, nothing fails", run_ft, 0),
+                         ("ft_ddp_resnet.py --sum-dtype float32, nothing fails", float32, 0),
                          ("ddp_resnet.py, nothing fails", run_restart, 0),
                          ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
                          ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)]
+    hang = lambda out, steps, kill_at: run_ft(out, steps, kill_at, how="hang", timeout_s=3)
+    runs += [("ft_ddp_resnet.py, one member hung (SIGSTOP), --member-timeout 3", hang, args.kill_at)]
     try:
         import torchft   # noqa: F401
+        quick = lambda out, steps, kill_at: run_torchft(out, steps, kill_at, join_ms=100)
+        hung = lambda out, steps, kill_at: run_torchft(out, steps, kill_at, how="hang", join_ms=100, timeout_s=3)
         runs += [("torchft 0.2.0, nothing fails", run_torchft, 0),
-                 ("torchft 0.2.0, one replica SIGKILLed", run_torchft, args.kill_at)]
+                 ("torchft 0.2.0, one replica SIGKILLed", run_torchft, args.kill_at),
+                 ("torchft 0.2.0, join timeout 0.1 s, one replica SIGKILLed", quick, args.kill_at),
+                 ("torchft 0.2.0, join timeout 0.1 s, timeouts 3 s, one replica hung", hung, args.kill_at)]
     except ImportError:
         print("torchft is not installed (pip install torchft==0.2.0): its rows are left out", flush=True)
     with tempfile.TemporaryDirectory() as out:
@@ -198,6 +216,9 @@ def main():
     ft, ddp = results["ft_ddp_resnet.py, nothing fails"], results["ddp_resnet.py, nothing fails"]
     print(f"per step, nothing failing: ft {ft['normal step s']} s, ddp {ddp['normal step s']} s: "
           f"{ft['normal step s'] / ddp['normal step s']:.2f}x", flush=True)
+    ft32 = results["ft_ddp_resnet.py --sum-dtype float32, nothing fails"]["normal step s"]
+    print(f"exact float64 sums: a step {ft['normal step s']} s against float32's {ft32} s: "
+          f"{ft['normal step s'] / ft32:.2f}x", flush=True)
     lost_ft = results["ft_ddp_resnet.py, one member SIGKILLed"]["lost_s"]
     lost_ddp = results["ddp_resnet.py, one rank SIGKILLed, restart"]["lost_s"]
     print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: {lost_ddp / max(lost_ft, 1e-3):.1f}x less",

@@ -183,6 +183,10 @@ def test_a_member_woken_after_its_run_ended_says_so_and_ends_cleanly(uninterrupt
         wait_for(lambda: "generation 1" in run.log("m1"), 60, "the first generation")
         run.members["m1"].send_signal(signal.SIGSTOP)
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
+        run.member("late", "--min-members", "2")   # the coordinator is still there (for m1): a member after the end
+        assert run.wait("late") == [0]
+        assert "the run is over: its members finished step 6" in run.log("late")
+        assert not (tmp_path / "late" / "model.pt").exists()
         run.members["m1"].send_signal(signal.SIGCONT)
         assert run.wait("m1") == [0], run.log("m1")
         assert "the run ended while this member hung" in run.log("m1") and "Traceback" not in run.log("m1")
@@ -232,9 +236,8 @@ def test_the_readme_supervisor_loop_continues_the_run_after_the_coordinator_is_k
     id: the run goes on where it was and ends bit-equal."""
     with Run(tmp_path, "--run-id", "r1") as run:
         for name in ("m0", "m1"):
-            run.member(name, "--min-members", "2", "--resume", supervised=True)
-        wait_for(lambda: "generation 1" in run.log("m1"), 60, "the first generation")
-        time.sleep(1.0)
+            run.member(name, "--min-members", "2", "--resume", "--checkpoint-every", "1", supervised=True)
+        wait_for(lambda: (tmp_path / "m0" / "checkpoint.pt").exists(), 90, "the first checkpoint")
         run.coordinator.kill()
         wait_for(lambda: all("lost the coordinator" in run.log(n) for n in ("m0", "m1")), 30, "both to lose it")
         assert all("Traceback" not in run.log(n) for n in ("m0", "m1"))
@@ -274,8 +277,7 @@ def test_strangers_bytes_and_floods_end_only_their_own_connections(uninterrupted
     assert max_difference(weights, uninterrupted) == 0
     log = run.log("coordinator")
     refused = re.findall(r"coordinator: the connection from \S+ refused: (.*)", log)
-    for why in ("not a line of JSON", "not a message of this protocol", "done before proving FT_SECRET",
-                "it does not know FT_SECRET",
+    for why in ("not a line of JSON", "not a message of this protocol", "it does not know FT_SECRET",
                 "a line longer than 65536 bytes", "more than 64 connections at once have not joined",
                 "it did not prove it knows FT_SECRET within 5 s"):
         assert any(why in r for r in refused), (why, log)
@@ -330,6 +332,10 @@ def test_bad_inputs_each_end_with_one_line(tmp_path):
         run.member("timeout", "--min-members", "2", "--member-timeout", "5")
         assert run.wait("timeout") == [1]
         assert "(member_timeout 5.0 here, 4.0 in the run)" in run.log("timeout"), run.log("timeout")
+        run.members["m0"].send_signal(signal.SIGTERM)
+        assert run.wait("m0") == [75]
+        run.member("new", "--batch-size", "32", "--min-members", "2")   # no live member left: its flags are the run's
+        wait_for(lambda: "joined run" in run.log("new"), 60, "a member with other flags to join")
     for command, line in (
             (["--join", f"127.0.0.1:{common.free_port()}", "--init-timeout", "1"], "error: no coordinator at 127.0.0.1:"),
             (["--serve", f"0.0.0.0:{common.free_port()}"], "error: 0.0.0.0 can be reached from other machines, and "

@@ -18,7 +18,7 @@ def readme_commands():
     text = open(os.path.join(HERE, "README.md")).read()
     blocks = text.split("```")[1::2]
     for line in (l.split(" #")[0].strip() for block in blocks for l in block.splitlines()[1:]):
-        words = line.split()
+        words = next((part for part in line.split(";") if ".py" in part), line).split()   # a shell loop's command
         scripts = [i for i, w in enumerate(words) if w.endswith((".py", ".sbatch", ".sh"))]
         if scripts:
             i = scripts[-1]   # the script torchrun, sbatch or simulated_cluster.py runs
