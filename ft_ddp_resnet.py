@@ -4,30 +4,27 @@
     python ft_ddp_resnet.py --serve HOST:PORT --run-id r1       # the coordinator: trains nothing
     until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
 
-(the last line: a member, restarted until it finishes (0) or fails for good (1); start as many as
-you like, on any machines, whenever you like). ddp_resnet.py ends every rank when one dies; here
-the others go on. Before every step the live members agree on who takes part (a quorum, one
-generation); when that changes, each builds a new process group over the coordinator's store. A
-member behind the others receives the state of the one furthest ahead: no file is read.
-
-The gradient is the sum of each micro-batch's mean-loss gradient (--micro-batch), divided by their
-count, summed in float64: exactly, so any members, any faults, give the same weights bit for bit.
-A step is applied by all its members or by none: each votes after the allreduce, and the
-coordinator commits only if all voted yes; else the next quorum computes it again. The coordinator
-is a single point: lost, each member writes its checkpoint and exits 75 (the loop above brings it
-back once the coordinator is served again with the same --run-id). No DistributedDataParallel: a
-failed allreduce leaves its reducer in a state it does not recover from.
+The last line is a member, restarted until it finishes (0) or fails for good (1): start as many as
+you like, anywhere, whenever you like. Before every step the live members agree on who takes part
+(a quorum, one generation); when that changes, each makes a new process group over the
+coordinator's store, and a member behind receives the state of the one furthest ahead. The
+gradient is the sum of each micro-batch's mean-loss gradient, divided by their count, summed in
+float64: any members, any faults, give the same weights bit for bit. A step is applied by all its
+members or by none (each votes after the allreduce; the coordinator commits only if all voted yes).
+Lost, the coordinator costs each member a restart from its checkpoint (exit 75; the loop above
+brings it back once the coordinator is served again with the same --run-id). No
+DistributedDataParallel: a failed allreduce leaves its reducer in a state it does not recover from.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
 import argparse, contextlib, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
-import signal, socket, sys, time, zlib
+import signal, socket, sys, threading, time, zlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import common
 
 RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "max_steps", "lr", "weight_decay",
-             "warmup_epochs", "amp", "sum_dtype", "member_timeout", "min_members")   # what every member must share
+             "warmup_epochs", "amp", "member_timeout", "min_members")   # what every member must share
 
 # ---------------------------------------------------------------- the wire: JSON lines, and only the run's members
 MAX_LINE = 1 << 16   # no message of this protocol is longer: a longer line is refused
@@ -56,9 +53,8 @@ def the_secret(host):
     secret = os.environ.get("FT_SECRET", "")
     with contextlib.suppress(OSError, ValueError):
         if not secret and not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
-            raise SystemExit(f"error: {host} can be reached from other machines, and FT_SECRET is not set: set the "
-                             f"same secret for the coordinator and every member, e.g. export FT_SECRET=$(python -c "
-                             f"'import secrets; print(secrets.token_hex(16))')")
+            raise SystemExit(f"error: {host} can be reached from other machines, and FT_SECRET is not set: give the "
+                             f"coordinator and every member the same, e.g. export FT_SECRET=$(openssl rand -hex 16)")
     return secret.encode()
 
 def proof(secret, challenge):   # FT: only a holder of the secret computes it
@@ -350,10 +346,10 @@ def gradients_of(net):
         p.grad = piece.view_as(p)
     return flat
 
-def message_buffer(net, dtype):
+def message_buffer(net):
     """What each step's allreduce sends: the gradients, BatchNorm's running statistics, the loss sums."""
     return torch.zeros(sum(p.numel() for p in net.parameters()) + sum(b.numel() for b in buffers_of(net)) + 3,
-                       dtype=dtype)
+                       dtype=torch.float64)   # FT: float64: exact sums
 
 def compute(net, grads, message, X, y, micro_batch, mine, amp):
     """This member's micro-batches of the global batch (X, y), each one's mean-loss gradient added into the
@@ -442,11 +438,6 @@ def recover(net, optimizer, progress, src, epochs):
     return progress_of(position), None
 
 # ---------------------------------------------------------------- checkpoints, for the whole-job restarts that remain
-def save_checkpoint(path, net, optimizer, scheduler, position):
-    state = {**position, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict()}
-    common.save_atomically(lambda tmp: torch.save(state, tmp), path)
-
 def load_checkpoint(path, net, optimizer, scheduler):
     """This member's own checkpoint, or None; a file it cannot use ends it with one line."""
     if not os.path.exists(path):
@@ -495,7 +486,7 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     for p in net.parameters():   # a momentum of zeros steps as none does; every member then holds the same tensors
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    grads, message = gradients_of(net), message_buffer(net, getattr(torch, args.sum_dtype))
+    grads, message = gradients_of(net), message_buffer(net)
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
@@ -526,8 +517,9 @@ def train(args):
 
     def checkpoint():   # this member's own, for restarts of the whole job: where it is, of which run, with which flags
         uncommitted()
-        save_checkpoint(args.checkpoint, net, optimizer, scheduler,
-                        {**progress, "run": coordinator.run, "flags": {**vars(args), "data": flags["data"]}})
+        saved = {**progress, "run": coordinator.run, "flags": {**vars(args), "data": flags["data"]},
+                 "model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        common.save_atomically(lambda tmp: torch.save(saved, tmp), args.checkpoint)
 
     def join():   # FT: join the run; the coordinator gives this member its id and the store
         hello = {"flags": flags, "step": progress["step"], "run": state["run"] if state else None}
@@ -537,11 +529,18 @@ def train(args):
         print(f"member {joined.id}: joined run {joined.run} at {host}:{port}, at step {progress['step']}", flush=True)
         return joined, store
 
-    def leave(line, status):   # FT: this member stops; the others go on without it
+    def leave(line, status, end=sys.exit):   # FT: this member stops; the others go on without it
         checkpoint()
         print(f"member {coordinator.id}: {line}; checkpoint of step {progress['step']} written to {args.checkpoint}; "
               f"exit status {status}", file=sys.stderr if status != common.PREEMPTED else sys.stdout, flush=True)
-        raise SystemExit(status)
+        end(status)
+
+    def watchdog():   # FT: making a group waits on the coordinator's store, without a bound if it hangs (SIGSTOP)
+        while True:
+            time.sleep(0.25)
+            if making["since"] and time.monotonic() - making["since"] > 2 * args.member_timeout:
+                leave(f"lost the coordinator at {host}:{port} (its store did not answer for "
+                      f"{2 * args.member_timeout:g} s); once it is back, --resume goes on", common.PREEMPTED, os._exit)
 
     def talk(message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member here
         try:
@@ -569,6 +568,8 @@ def train(args):
         return "dropped" not in reply
 
     coordinator, store = join()
+    making = {"since": None}   # FT: when this member began making its group, while it does
+    threading.Thread(target=watchdog, daemon=True).start()
     gen, generations, steps_here, counted = None, 0, 0, False
     timer = common.Timer(device, already=progress["seconds"])
     while progress["step"] < final_step:
@@ -587,11 +588,13 @@ def train(args):
                   flush=True)
             if dist.is_initialized():   # FT: the last generation's group goes
                 dist.destroy_process_group()   # FT: before this one's is made
+            making["since"] = started
             try:
                 dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,   # FT: its own
                                         world_size=world_size, timeout=datetime.timedelta(seconds=args.member_timeout))
             except (RuntimeError, dist.DistError) as e:
                 gen, problem = None, failure(e, started)
+            making["since"] = None
         if not problem and quorum["src"] is not None:   # FT: someone is behind: the member furthest ahead sends
             recovered, problem = recover(net, optimizer, progress, quorum["src"], args.epochs)
             if recovered and recovered["step"] != step:
@@ -668,20 +671,16 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--out", default="runs/ft_ddp_resnet", help="folder for metrics.json, curves.png and model.pt")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300,
-                   help="seconds to wait for the coordinator")
+    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait to join")
     role = p.add_mutually_exclusive_group(required=True)
     role.add_argument("--serve", type=address, metavar="HOST:PORT", help="run the coordinator there (trains nothing)")
     role.add_argument("--join", type=address, metavar="HOST:PORT", help="train as a member of the run served there")
-    p.add_argument("--micro-batch", type=common.positive_int, default=32,
-                   help="the fixed size of the micro-batches each global batch is cut into and shared out")
+    p.add_argument("--micro-batch", type=common.positive_int, default=32, help="the size of a global batch's pieces")
     p.add_argument("--min-members", type=common.positive_int, default=1, help="the first step waits for this many")
     p.add_argument("--member-timeout", type=common.positive_float, default=30,
                    help="seconds of no progress, while others wait, that drop a member; as long unheard, a coordinator")
     p.add_argument("--store-port", type=common.positive_int, help="where the groups meet (default: PORT + 1)")
     p.add_argument("--run-id", help="the coordinator's run: the one it printed continues that run (default: a new one)")
-    p.add_argument("--sum-dtype", choices=("float64", "float32"), default="float64",
-                   help="float64 sums give the same bits whoever computes what; float32 sends half the bytes")
     p.add_argument("--checkpoint", help="this member's checkpoint (default: <out>/checkpoint.pt), written on SIGTERM, "
                                         "every --checkpoint-every steps and when the coordinator is lost")
     p.add_argument("--checkpoint-every", type=common.positive_int, help="also write it every N committed steps")
