@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import common
 
 RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "max_steps", "lr", "weight_decay",
-             "warmup_epochs", "amp", "member_timeout", "min_members")   # what every member must share
+             "warmup_epochs", "amp", "sums", "member_timeout", "min_members")   # what every member must share
 
 # ---------------------------------------------------------------- the wire: JSON lines, and only the run's members
 MAX_LINE = 1 << 16   # no message of this protocol is longer: a longer line is refused
@@ -346,10 +346,10 @@ def gradients_of(net):
         p.grad = piece.view_as(p)
     return flat
 
-def message_buffer(net):
+def message_buffer(net, dtype):
     """What each step's allreduce sends: the gradients, BatchNorm's running statistics, the loss sums."""
     return torch.zeros(sum(p.numel() for p in net.parameters()) + sum(b.numel() for b in buffers_of(net)) + 3,
-                       dtype=torch.float64)   # FT: float64: exact sums
+                       dtype=dtype)
 
 def compute(net, grads, message, X, y, micro_batch, mine, amp):
     """This member's micro-batches of the global batch (X, y), each one's mean-loss gradient added into the
@@ -486,7 +486,7 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     for p in net.parameters():   # a momentum of zeros steps as none does; every member then holds the same tensors
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    grads, message = gradients_of(net), message_buffer(net)
+    grads, message = gradients_of(net), message_buffer(net, getattr(torch, args.sums))
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
     progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
@@ -680,6 +680,8 @@ def parse_args(argv=None):
     p.add_argument("--member-timeout", type=common.positive_float, default=30,
                    help="seconds of no progress, while others wait, that drop a member; as long unheard, a coordinator")
     p.add_argument("--store-port", type=common.positive_int, help="where the groups meet (default: PORT + 1)")
+    p.add_argument("--sums", choices=("float64", "float32"), default="float64",
+                   help="float64: the same bits whoever computes what; float32: half the bytes, a faster step")
     p.add_argument("--run-id", help="the coordinator's run: the one it printed continues that run (default: a new one)")
     p.add_argument("--checkpoint", help="this member's checkpoint (default: <out>/checkpoint.pt), written on SIGTERM, "
                                         "every --checkpoint-every steps and when the coordinator is lost")

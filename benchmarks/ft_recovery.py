@@ -106,13 +106,13 @@ def until_two_finish(members, log, kill_at, how="kill"):
     members[2].kill()
     return stamps(open(log.name).read()), killed
 
-def run_ft(out, steps, kill_at, how="kill", timeout_s=10):
+def run_ft(out, steps, kill_at, how="kill", timeout_s=10, sums="float64"):
     """3 members; with kill_at, one of them is SIGKILLed (or stopped) once the run has committed kill_at steps."""
     import common
     address, store = f"127.0.0.1:{common.free_port()}", ["--store-port", str(common.free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--train-samples", str(24 * steps), "--test-samples", "10", "--batch-size", "24", "--micro-batch", "8",
-             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", str(timeout_s),
+             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", str(timeout_s), "--sums", sums,
              *store]
     coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address, *store], cwd=ROOT, env=env,
                                    stdout=subprocess.DEVNULL)
@@ -190,7 +190,9 @@ def main():
     import torch
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
           f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill in the middle of step {args.kill_at + 1}", flush=True)
+    float32 = lambda out, steps, kill_at: run_ft(out, steps, kill_at, sums="float32")
     results, runs = {}, [("ft_ddp_resnet.py, nothing fails", run_ft, 0),
+                         ("ft_ddp_resnet.py --sums float32, nothing fails", float32, 0),
                          ("ddp_resnet.py, nothing fails", run_restart, 0),
                          ("ft_ddp_resnet.py, one member SIGKILLed", run_ft, args.kill_at),
                          ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)]
@@ -214,6 +216,9 @@ def main():
     ft, ddp = results["ft_ddp_resnet.py, nothing fails"], results["ddp_resnet.py, nothing fails"]
     print(f"per step, nothing failing: ft {ft['normal step s']} s, ddp {ddp['normal step s']} s: "
           f"{ft['normal step s'] / ddp['normal step s']:.2f}x", flush=True)
+    ft32 = results["ft_ddp_resnet.py --sums float32, nothing fails"]["normal step s"]
+    print(f"exact (float64) sums: a step {ft['normal step s']} s against float32's {ft32} s: "
+          f"{ft['normal step s'] / ft32:.2f}x", flush=True)
     lost_ft = results["ft_ddp_resnet.py, one member SIGKILLed"]["lost_s"]
     lost_ddp = results["ddp_resnet.py, one rank SIGKILLed, restart"]["lost_s"]
     print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: {lost_ddp / max(lost_ft, 1e-3):.1f}x less",
