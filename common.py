@@ -171,6 +171,8 @@ def read_image(path):
 def check_batch(global_batch, world_size, train_samples, rank):
     """The per-rank batch; one the ranks cannot share, or more than the samples, refused by rank 0."""
     if global_batch % world_size or train_samples < global_batch:
+        if rank != 0:   # rank 0's line first: a launcher reports the rank that ends first
+            time.sleep(1.0)
         sys.exit((f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if global_batch %
                   world_size else f"error: {train_samples} training samples are fewer than --batch-size "
                   f"{global_batch}") if rank == 0 else 1)

@@ -39,12 +39,12 @@ def train(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
     device = common.pick_device(backend)   # DDP: one GPU per process
+    rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)   # before any connection
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         common.check_out_dir(args.out)
-    rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)
     X_train, y_train = toy_data(args.train_samples, seed=1)
     X_test, y_test = toy_data(args.test_samples, seed=2)
     loader = train_loader(X_train, y_train, rank_batch, rank, world_size, args.seed)

@@ -293,7 +293,7 @@ def test_a_hung_coordinator_and_a_sigterm_while_waiting_each_end_a_member_with_i
         signalled = time.monotonic()
         run.members["alone"].send_signal(signal.SIGTERM)
         assert run.wait("alone") == [75]
-        assert time.monotonic() - signalled < 3.0
+        assert time.monotonic() - signalled < 15   # (unsignalled, it would wait for its quorum for ever)
         assert "stopped by SIGTERM at step 0" in run.log("alone")
         assert (tmp_path / "alone" / "checkpoint.pt").exists()
         for name in ("m0", "m1"):
