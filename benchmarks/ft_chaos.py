@@ -6,8 +6,8 @@ same session: goodput, the time each fault cost, and every member's final weight
 
     python benchmarks/ft_chaos.py [--minutes 5] [--member-timeout 3]     # as root (network namespaces)
 
-Members print a `stamp STEP TIME` line at each committed step (a wrapper in this file around the
-script's Coordinator.ask; the script prints no line per step). A fault's cost, two ways: at once
+Members print a `stamp STEP TIME` line at each committed step (benchmarks/ft_recovery.py's wrapper
+around the script's Coordinator.ask; the script prints no line per step). A fault's cost, two ways: at once
 (the gap from the last commit before the fault to the first after it, less one normal step: the
 median gap of the run without faults), and in all (every gap's excess over a normal step from the
 fault until the next one: also the restarted member's start-up, which competes for this machine's
@@ -19,21 +19,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 from simulated_cluster import SimulatedCluster, unavailable
 
 PORT = 29600
-
-
-def stamped():
-    """Run as a wrapper: ft_ddp_resnet.py, with a line `stamp STEP TIME` at each committed step."""
-    import ft_ddp_resnet
-    ask = ft_ddp_resnet.Coordinator.ask
-
-    def stamping(self, message):
-        answer = ask(self, message)
-        if message["op"] == "vote" and answer.get("commit"):
-            print(f"stamp {message['step'] + 1} {time.time():.4f}", flush=True)
-        return answer
-    ft_ddp_resnet.Coordinator.ask = stamping
-    sys.argv = [ft_ddp_resnet.__file__] + sys.argv[2:]
-    ft_ddp_resnet.main()
 
 
 def pid_of_member(cluster, node):
@@ -64,7 +49,8 @@ def run(args, out, faults):
         coordinator = cluster.popen(0, serve, env=cluster.env(**env), stdout=logs[0], stderr=subprocess.STDOUT,
                                     cwd=ROOT)
         for node in (1, 2, 3):
-            member = [sys.executable, os.path.abspath(__file__), "--stamped", "--join", f"{head}:{PORT}",
+            member = [sys.executable, os.path.join(ROOT, "benchmarks", "ft_recovery.py"), "stamped", "ft",   # stamps
+                      "--join", f"{head}:{PORT}",
                       "--out", os.path.join(out, f"m{node}"), "--resume", *flags]
             loop = f"until {shlex.join(member)}; [ $? -le 1 ]; do sleep 1; done"
             cluster.popen(node, ["bash", "-c", loop], env=cluster.env(**env), stdout=logs[node],
@@ -122,8 +108,6 @@ def main():
     p.add_argument("--steps", type=int, help="steps of each run (default: enough to outlast the faults)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/ft_chaos")
-    if len(sys.argv) > 1 and sys.argv[1] == "--stamped":
-        return stamped()
     args = p.parse_args()
     if unavailable():
         raise SystemExit(unavailable())
