@@ -5,6 +5,14 @@ once the coordinator killed and served again. Against the same run without fault
 same session: goodput, the time each fault cost, and every member's final weights.
 
     python benchmarks/ft_chaos.py [--minutes 5] [--member-timeout 3]     # as root (network namespaces)
+    python benchmarks/ft_chaos.py --torchft [--join-ms 1000] [--heartbeat-ms 500]
+
+With --torchft, the same faults (the same seed draws the same plan) hit torchft 0.2 instead: three
+replica groups of one process (benchmarks/ft_recovery.py's, which train the same model on the same
+batches, a third each) under the same loop, its lighthouse in the coordinator's place. A replica
+that comes back takes the state from a peer (torchft's own recovery); none keeps a checkpoint on
+disk, so the lighthouse is not killed in such a run, and a replica's third of a batch is left out
+while it is away (torchft's way), so its weights are not compared.
 
 Members print a `stamp STEP TIME` line at each committed step (benchmarks/ft_recovery.py's wrapper
 around the script's Coordinator.ask; the script prints no line per step). A fault's cost, two ways: at once
@@ -26,7 +34,7 @@ def pid_of_member(cluster, node):
     listed = subprocess.run(["ip", "netns", "pids", cluster.names[node]], capture_output=True, text=True)
     for pid in map(int, listed.stdout.split()):
         try:
-            if b"--join" in open(f"/proc/{pid}/cmdline", "rb").read() and b"bash" not in open(
+            if b"stamped" in open(f"/proc/{pid}/cmdline", "rb").read() and b"bash" not in open(
                     f"/proc/{pid}/comm", "rb").read():
                 return pid
         except OSError:
@@ -44,6 +52,10 @@ def run(args, out, faults):
              os.path.join(ROOT, "data"), "--min-members", "3", "--init-timeout", "600"]
     env = {"OMP_NUM_THREADS": "1", "FT_SECRET": "chaos-benchmark", "PYTHONUNBUFFERED": "1"}
     serve = [sys.executable, os.path.join(ROOT, "ft_ddp_resnet.py"), "--serve", f"{head}:{PORT}", "--run-id", "chaos"]
+    if args.torchft:   # its lighthouse in the coordinator's place, at the settings stated in --help
+        serve = [sys.executable, "-c", "import time; from torchft.coordination import LighthouseServer; "
+                 f"server = LighthouseServer(bind='0.0.0.0:{PORT}', min_replicas=2, join_timeout_ms={args.join_ms}, "
+                 f"heartbeat_timeout_ms={args.heartbeat_ms}); time.sleep(10 ** 6)"]
     with SimulatedCluster(4) as cluster:
         logs = [open(os.path.join(out, f"{name}.log"), "w") for name in ("coordinator", "m1", "m2", "m3")]
         coordinator = cluster.popen(0, serve, env=cluster.env(**env), stdout=logs[0], stderr=subprocess.STDOUT,
@@ -52,12 +64,18 @@ def run(args, out, faults):
             member = [sys.executable, os.path.join(ROOT, "benchmarks", "ft_recovery.py"), "stamped", "ft",   # stamps
                       "--join", f"{head}:{PORT}",
                       "--out", os.path.join(out, f"m{node}"), "--resume", *flags]
+            if args.torchft:   # ft_recovery.py's torchft replica; "stamped" in its command names it for the faults
+                member = [sys.executable, os.path.join(ROOT, "benchmarks", "ft_recovery.py"), "torchft",
+                          f"http://{head}:{PORT}", str(node - 1), str(args.steps), str(args.member_timeout),
+                          cluster.addresses[node], str(args.batch_size), "stamped"]
             loop = f"until {shlex.join(member)}; [ $? -le 1 ]; do sleep 1; done"
             cluster.popen(node, ["bash", "-c", loop], env=cluster.env(**env), stdout=logs[node],
                           stderr=subprocess.STDOUT, cwd=ROOT)
         start, done, happened = time.time(), [], []
         read = lambda node: open(os.path.join(out, f"m{node}.log")).read()
-        while not all("done:" in read(node) or "nothing is left to train" in read(node) for node in (1, 2, 3)):
+        finished = lambda node: "done:" in read(node) or "nothing is left to train" in read(node)
+        # torchft: its quorum needs two replicas, so a replica back after two have finished waits for ever
+        while sum(map(finished, (1, 2, 3))) < (2 if args.torchft else 3):
             time.sleep(0.5)
             if time.time() - start > 3600:
                 raise SystemExit("the run did not end within an hour")
@@ -69,6 +87,9 @@ def run(args, out, faults):
             when, _ = faults.pop(0)
             node = random.choice((1, 2, 3))
             pid = pid_of_member(cluster, node)
+            if kind == "coordinator" and args.torchft:   # not done: its replicas keep no checkpoint to come back to
+                print(f"  {time.time() - start:6.1f} s: (the lighthouse is not killed in a torchft run)", flush=True)
+                continue
             if kind != "coordinator" and pid is None:
                 faults.insert(0, (when + 2, kind))   # that member is restarting: try again soon
                 continue
@@ -92,11 +113,12 @@ def run(args, out, faults):
                                             stderr=subprocess.STDOUT, cwd=ROOT)
         seconds = time.time() - start
     json.dump(happened, open(os.path.join(out, "faults.json"), "w"))
-    stamps = sorted((float(t), int(s)) for node in (1, 2, 3) for s, t in re.findall(r"stamp (\d+) (\S+)", read(node)))
+    stamps = sorted((float(t), int(s), int(n or 3)) for node in (1, 2, 3)   # n: members in the step
+                    for s, t, n in re.findall(r"stamp (\d+) (\S+) ?(\d*)", read(node)))
     first = {}
-    for t, s in stamps:   # the first member to commit a step commits it for all
-        first.setdefault(s, t)
-    return seconds, sorted((t, s) for s, t in first.items()), happened, [read(node) for node in (1, 2, 3)]
+    for t, s, n in stamps:   # the first member to commit a step commits it for all
+        first.setdefault(s, (t, n))
+    return seconds, sorted((t, s, n) for s, (t, n) in first.items()), happened, [read(node) for node in (1, 2, 3)]
 
 
 def main():
@@ -108,6 +130,10 @@ def main():
     p.add_argument("--steps", type=int, help="steps of each run (default: enough to outlast the faults)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/ft_chaos")
+    p.add_argument("--torchft", action="store_true", help="torchft 0.2 replicas (benchmarks/ft_recovery.py's) and "
+                   "its lighthouse instead, the Manager's timeout at --member-timeout; the lighthouse is not killed")
+    p.add_argument("--join-ms", type=int, default=1000, help="torchft: the lighthouse's join timeout")
+    p.add_argument("--heartbeat-ms", type=int, default=500, help="torchft: the lighthouse's heartbeat timeout")
     args = p.parse_args()
     if unavailable():
         raise SystemExit(unavailable())
@@ -134,14 +160,22 @@ def main():
         at_once.setdefault(kind.split()[0], []).append(max(0.0, gaps[0] - normal) if gaps else float("nan"))
         lost.setdefault(kind.split()[0], []).append(sum(max(0.0, g - normal) for g in gaps))
     commits_clean, commits_chaos = len(base) / (base[-1][0] - base[0][0]), len(chaos) / (chaos[-1][0] - chaos[0][0])
-    print(f"\nsteps {args.steps}, --member-timeout {args.member_timeout:g}, a normal step {normal:.3f} s")
+    system = (f"torchft, join timeout {args.join_ms} ms, heartbeat timeout {args.heartbeat_ms} ms, timeout"
+              if args.torchft else "ft_ddp_resnet.py, --member-timeout")
+    print(f"\n{system} {args.member_timeout:g} s: steps {args.steps}, a normal step {normal:.3f} s")
     print(f"without faults: {base_seconds:.0f} s, {commits_clean:.3f} committed steps/s")
     print(f"with faults:    {chaos_seconds:.0f} s, {commits_chaos:.3f} committed steps/s: goodput "
           f"{commits_chaos / commits_clean:.1%}")
+    if args.torchft:   # a step without a replica trains on a third fewer samples
+        thirds = lambda stamps: sum(n for _, _, n in stamps[1:]) / (stamps[-1][0] - stamps[0][0])
+        print(f"                samples trained per second: {thirds(chaos) / thirds(base):.1%} of the run without "
+              f"faults ({sum(n < 3 for _, _, n in chaos)} of {len(chaos)} steps without a third of their batch)")
     for kind, values in lost.items():
         print(f"  lost per {kind:11s} at once: median {statistics.median(at_once[kind]):.2f} s "
               f"({' '.join(f'{v:.2f}' for v in at_once[kind])}); in all: median {statistics.median(values):.2f} s "
               f"({' '.join(f'{v:.2f}' for v in values)})")
+    if args.torchft:
+        return   # its replicas save no weights: torchft averages in float32, not meant to be bit-equal
     import torch
     reference = torch.load(os.path.join(args.out, "clean", "m1", "model.pt"))
     for node in (1, 2, 3):
