@@ -167,14 +167,15 @@ def main():
     print(f"without faults: {base_seconds:.0f} s, {commits_clean:.3f} committed steps/s")
     print(f"with faults:    {chaos_seconds:.0f} s, {commits_chaos:.3f} committed steps/s: goodput "
           f"{commits_chaos / commits_clean:.1%}")
-    # The machine's pace drifts between two runs of minutes: the chaos run's steps with all 3 members, against
-    # the run without faults', say by how much; at its own pace, the faults cost what goes beyond them.
-    # torchft: in samples (a step without a replica trains on a third fewer); ours trains every step whole.
-    whole = lambda stamps: statistics.mean(b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if b[2] == 3)
-    done = sum(n for _, _, n in chaos[1:]) / 3 if args.torchft else len(chaos) - 1
-    own = whole(chaos) * done / (chaos[-1][0] - chaos[0][0])
-    print(f"                a step with all 3 members: {whole(chaos):.3f} s on average, {whole(base):.3f} s without "
-          f"faults; at its own pace: goodput {own:.1%}{' of the samples' if args.torchft else ''}")
+    # The machine's pace drifts between two runs of minutes: the typical (median) step with all 3 members of
+    # each run says by how much, and the goodput at one pace counts only what the faults cost. torchft's in
+    # samples (a step without a replica trains on a third fewer); ours trains every step whole.
+    typical = lambda stamps: statistics.median(b[0] - a[0] for a, b in zip(stamps, stamps[1:]) if b[2] == 3)
+    steps_done = lambda stamps: sum(n for _, _, n in stamps[1:]) / 3 if args.torchft else len(stamps) - 1
+    rate = lambda stamps: steps_done(stamps) / (stamps[-1][0] - stamps[0][0])
+    same_pace = rate(chaos) / rate(base) * typical(chaos) / typical(base)
+    print(f"                a typical step with all 3 members: {typical(chaos):.3f} s, {typical(base):.3f} s without "
+          f"faults; at one pace: goodput {same_pace:.1%}{' of the samples' if args.torchft else ''}")
     if args.torchft:   # a step without a replica trains on a third fewer samples
         thirds = lambda stamps: sum(n for _, _, n in stamps[1:]) / (stamps[-1][0] - stamps[0][0])
         print(f"                samples trained per second: {thirds(chaos) / thirds(base):.1%} of the run without "
