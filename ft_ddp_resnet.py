@@ -357,7 +357,7 @@ def compute(net, grads, message, X, y, micro_batch, mine, amp):
     [summed loss, hits, samples] of this member's micro-batches."""
     totals = torch.zeros(3, dtype=message.dtype)
     norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    message.zero_()   # every member sends a gradient, also one with no micro-batch
+    message[len(grads) if mine else 0:].zero_()   # what no micro-batch overwrites (with none, all: zeros are sent)
     for i in mine:
         for norm in norms:
             norm.momentum = 0.1 if i == 0 else 0.0   # FT: running statistics from micro-batch 0 only (0.1: torch's)
