@@ -303,8 +303,9 @@ def test_a_hung_coordinator_and_a_sigterm_while_waiting_each_end_a_member_with_i
         stopped = time.monotonic()
         assert run.wait("m0", "m1") == [75, 75]
         assert time.monotonic() - stopped < 4 + 10   # --member-timeout 4, and a step
-        for name in ("m0", "m1"):
-            assert "lost the coordinator at" in run.log(name) and "not a word from it for 4 s" in run.log(name)
+        for name in ("m0", "m1"):   # it waited on the coordinator; or, stopped while making its group, on its store
+            assert "lost the coordinator at" in run.log(name)
+            assert "not a word from it for 4 s" in run.log(name) or "its store did not answer for 8 s" in run.log(name)
             assert "Traceback" not in run.log(name)
             assert (tmp_path / name / "checkpoint.pt").exists()
 
