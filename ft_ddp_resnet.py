@@ -536,12 +536,12 @@ def train(args):
               f"exit status {status}", file=sys.stderr if status != common.PREEMPTED else sys.stdout, flush=True)
         end(status)
 
-    def watchdog():   # FT: making a group waits on the coordinator's store, without a bound if it hangs (SIGSTOP)
-        while True:
+    def watchdog():   # FT: making a group waits on the coordinator's store, without a bound if it hangs (SIGSTOP);
+        while True:   # a peer stopped mid-handshake holds gloo's connect ~5x the timeout, then fails: it is voted out
             time.sleep(0.25)
-            if making["since"] and time.monotonic() - making["since"] > 2 * args.member_timeout:
+            if making["since"] and time.monotonic() - making["since"] > 6 * args.member_timeout:
                 leave(f"lost the coordinator at {host}:{port} (its store did not answer for "
-                      f"{2 * args.member_timeout:g} s); once it is back, --resume goes on", common.PREEMPTED, os._exit)
+                      f"{6 * args.member_timeout:g} s); once it is back, --resume goes on", common.PREEMPTED, os._exit)
 
     def talk(message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member here
         try:

@@ -6,8 +6,10 @@ WHERE: `backward` (SIGKILL from a gradient hook in the middle of backward), `all
 20 ms into the gradients' allreduce), `before-vote` (the allreduce done, the vote not sent: between
 allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's state), `broken`
 (from its STEP-th attempt on, its allreduce fails at once, as over a broken link: it leaves the
-group and votes no). STEP: the member's STEP-th attempt at a step (0-based), or its first
-recovery. This file patches the script's functions in its own process only."""
+group and votes no), `handshake` (SIGSTOP once its address is in the store while its first group
+is made: its peers connect to a process that does not answer). STEP: the member's STEP-th attempt
+at a step (0-based), or its first recovery. This file patches the script's functions in its own
+process only."""
 import os, signal, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ft_ddp_resnet
@@ -47,6 +49,37 @@ def ask_then_maybe_die(self, message):
         die()
     return ask(self, message)
 
+stopped = []
+
+class StopAfterSet(ft_ddp_resnet.dist.Store):   # the first group's store, as the member's gloo sees it
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
+
+    def set(self, key, value):
+        self.store.set(key, value)
+        if not stopped:   # once
+            stopped.append(True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def get(self, key):
+        return self.store.get(key)
+
+    def wait(self, keys, *timeout):
+        return self.store.wait(keys, *timeout)
+
+    def add(self, key, value):
+        return self.store.add(key, value)
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+init_process_group = ft_ddp_resnet.dist.init_process_group
+
+def init_then_maybe_hang(*args, store, **kwargs):
+    return init_process_group(*args, store=StopAfterSet(store) if where == "handshake" else store, **kwargs)
+
+ft_ddp_resnet.dist.init_process_group = init_then_maybe_hang
 ft_ddp_resnet.compute, ft_ddp_resnet.exchange = compute_then_maybe_die, exchange_then_maybe_die
 ft_ddp_resnet.recover, ft_ddp_resnet.Coordinator.ask = recover_then_maybe_die, ask_then_maybe_die
 sys.argv = [ft_ddp_resnet.__file__] + sys.argv[3:]
