@@ -263,15 +263,18 @@ def kill_workers():   # at exit: they ignore SIGTERM, which multiprocessing woul
         child.kill()
 
 def loader(dataset, batches, device, workers=0, **options):
-    """Batches of indices: in memory, one indexing each; from disk, in workers started by a fork server (a rank
-    forked while gloo's threads hold a lock can hang)."""
+    """Batches of indices: in memory, one indexing each; from disk, in workers forked by a fork server that has
+    imported torchvision once (a rank forked while gloo's threads hold a lock can hang)."""
     if isinstance(dataset, TensorDataset):
         return DataLoader(dataset, sampler=batches, batch_size=None)
+    context = None
     if workers:
         atexit.register(kill_workers)
+        if sys.platform == "linux":
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["__main__", "torchvision", "PIL.Image"])
     return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
-                      worker_init_fn=ignore_stop_signals, **options,
-                      multiprocessing_context="forkserver" if workers and sys.platform == "linux" else None)
+                      worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
 
 def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
     """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch."""
