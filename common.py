@@ -272,7 +272,7 @@ def loader(dataset, batches, device, workers=0, **options):
         atexit.register(kill_workers)
         if sys.platform == "linux":
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["__main__", "torchvision", "PIL.Image"])
+            context.set_forkserver_preload(["__main__", "torchvision"])   # (which imports PIL)
     return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
                       worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
 
