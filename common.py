@@ -519,9 +519,7 @@ def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):
 
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
     """metrics.json, model.pt, curves.png and the closing line (rank 0); sent_per_step: bytes by collective."""
-    import matplotlib
-    matplotlib.use("Agg")   # no display needed
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure   # drawn without pyplot: no display, no window, no global state
     by, epochs, out = {k: round(v) for k, v in sent_per_step.items()}, metrics["epochs"], metrics["config"]["out"]
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,
                    samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
@@ -529,14 +527,14 @@ def finish(metrics, steps, seconds, state_dict, sent_per_step):
     save_atomically(lambda tmp: open(tmp, "w").write(json.dumps(metrics, indent=1)), f"{out}/metrics.json")
     weights = {k: v.detach().cpu() for k, v in state_dict.items()}
     save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig = Figure(figsize=(9, 3.5))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"), (ax_acc, "test_acc", "s-")):
         ax.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], style, label=key.replace("_", " "))
         ax.set_xlabel("epoch"), ax.grid(alpha=0.3), ax.legend()
     fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} ({metrics['backend']})")
     fig.tight_layout()
     save_atomically(lambda tmp: fig.savefig(tmp, format="png", dpi=100), f"{out}/curves.png")
-    plt.close(fig)
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))} "
           f"({metrics['backend']}, {metrics['layout']}): test acc {metrics['test_acc']:.4f} on "
           f"{metrics['test_samples']} test samples, {metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
