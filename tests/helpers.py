@@ -12,6 +12,12 @@ import local_slurm
 import scratch_lenet
 import simulated_cluster
 
+# Two tests run at a time on two cores (run_all.sh's pytest -n 2), so every process a test starts, and the
+# test process itself, computes on one thread. With more threads than cores, OpenMP's threads spin while
+# they wait for each other: a ResNet run beside one busy core used 2.5x the CPU on 2 threads as on 1.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
 
 DATA = os.path.join(HERE, "data")
 
