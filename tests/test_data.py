@@ -123,8 +123,11 @@ def test_a_subset_of_a_folder_spans_its_classes(images):
 def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, tmp_path):
     """2 ranks with 2 workers each, random crops, a warm-up and a cosine, stopped inside the
     first of 2 epochs, then --resume: the uninterrupted run's weights. SIGTERM goes to every
-    process of the job, workers included, as SLURM sends it: the ranks still stop together at a
-    step boundary. --max-steps 2 stops a run of 3 steps an epoch (48 images)."""
+    process of the job, every rank and worker, as SLURM sends it: the ranks still stop together
+    at a step boundary. --max-steps 2 stops a run of 3 steps an epoch (48 images); its --resume
+    first says there is no checkpoint yet, a cap at or below the checkpoint's step stops at once,
+    and FSDP's checkpoint folder also holds what crashes leave: an older complete checkpoint
+    (step-1, made unreadable, so loading it would fail) and a newer one half written (step-5.tmp)."""
     flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every", "2"] + FOLDER
     if stop == "--max-steps":
         flags += ["--train-samples", "48"]
@@ -133,8 +136,18 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
     assert_ok(whole)
     parts = tmp_path / "parts"
     if stop == "--max-steps":
-        stopped = run(torchrun + ["--max-steps", "2", "--out", str(parts)] + flags, env=ONE_THREAD)
+        stopped = run(torchrun + ["--resume", "--max-steps", "2", "--out", str(parts)] + flags, env=ONE_THREAD)
         assert_ok(stopped)
+        said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
+        assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
+        assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
+        capped = run(torchrun + ["--resume", "--max-steps", "1", "--out", str(parts)] + flags, env=ONE_THREAD)
+        assert_ok(capped)
+        assert "nothing to train" in capped.stdout and "at step 2, at or past --max-steps 1" in capped.stdout
+        assert "done:" not in capped.stdout
+        (parts / "checkpoint" / "step-00000001").mkdir()
+        (parts / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
+        (parts / "checkpoint" / "step-00000005.tmp").mkdir()
         stopped_at = 2
     else:
         parts.mkdir()
@@ -160,6 +173,8 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and f", step {stopped_at}" in resumed.stdout
     assert_same_weights(load_model(tmp_path / "whole"), load_model(parts), tol=1e-6)
+    if script == "fsdp_resnet.py":   # only the newest is kept
+        assert sorted(os.listdir(parts / "checkpoint")) == ["step-00000006"]
 
 
 def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
