@@ -1,6 +1,6 @@
 """Several machines: the simulated cluster (network namespaces, each node with its own address)
 and a real SLURM on this host. Both need root; without it they are skipped with the reason."""
-import json, os, shutil, socket, subprocess, sys, time
+import json, os, re, shutil, socket, subprocess, sys, time
 import pytest
 import common
 import local_slurm
@@ -128,11 +128,13 @@ def test_simulated_cluster_without_root_says_why_in_one_line(monkeypatch, capsys
 
 # ---------------------------------------------------------------- a real SLURM
 @pytest.mark.skipif(NO_SLURM is not None or NO_CLUSTER is not None, reason=str(NO_SLURM or NO_CLUSTER))
-@pytest.mark.parametrize("stop", ["signal ahead of the time limit", "scontrol requeue"])
-def test_slurm_job_stopped_requeues_once_resumes_and_ends_with_uninterrupted_weights(stop, resnet_uninterrupted, tmp_path):
+def test_slurm_job_stopped_twice_requeues_resumes_and_ends_with_uninterrupted_weights(resnet_uninterrupted, tmp_path):
     """examples/slurm_ddp_resnet.sbatch as submitted on a cluster: two nodes with their own
     addresses (each slurmd in a node of a simulated cluster) whose hostname resolves elsewhere
-    (a loopback address here), one torchrun each, c10d rendezvous on the first."""
+    (a loopback address here), one torchrun each, c10d rendezvous on the first. Stopped twice:
+    by `scontrol requeue` (what preemption with requeue does: SIGTERM to every process, and SLURM
+    requeues), then by the signal sent ahead of the time limit (--signal=B:USR1@90: the batch
+    script requeues). Each time: a checkpoint, a restart, a resume."""
     out, log = tmp_path / "out", tmp_path / "job.out"
     with simulated_cluster.SimulatedCluster(2) as cluster, local_slurm.LocalSlurm(cluster=cluster) as slurm:
         resolved = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
@@ -142,27 +144,28 @@ def test_slurm_job_stopped_requeues_once_resumes_and_ends_with_uninterrupted_wei
                               f"GLOO_SOCKET_IFNAME=eth0,PYTHONUNBUFFERED=1",
                               "examples/slurm_ddp_resnet.sbatch", *PREEMPTIBLE, cwd=HERE)
         job = submitted.stdout.split()[-1]
-        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, f"the first checkpoint:\n{read(log)[-3000:]}")
-        if stop == "scontrol requeue":   # what preemption with requeue does: SIGTERM to every process
-            slurm.run("scontrol", "requeue", job)
-        else:                            # what --signal=B:USR1@90 sends 90 s before the time limit
-            slurm.run("scancel", "--batch", "--signal=USR1", job)
-        wait_for(lambda: slurm.job(job)["JobState"] == "PENDING", 120, "the requeue")
-        # SLURM would start it again after about 90 s; here at once, once the first run is gone
-        # and a second has passed: slurmd refuses a job whose credential was revoked (by the
-        # requeue) in the second the new one is made ("Job credential revoked").
-        wait_for(slurm.idle, 120, "the first run's end")
-        time.sleep(2)
-        slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+        stops = [["scontrol", "requeue", job], ["scancel", "--batch", "--signal=USR1", job]]
+        for restart, stop in enumerate(stops):
+            started = f"restart {restart} of job" if restart else f"job {job}: "   # the batch script's first line
+            wait_for(lambda: started in read(log) and "checkpoint: step " in read(log).split(started)[-1], 240,
+                     f"a checkpoint after '{started}':\n{read(log)[-3000:]}")
+            slurm.run(*stop)
+            wait_for(lambda: slurm.job(job)["JobState"] == "PENDING", 120, f"the requeue:\n{read(log)[-3000:]}")
+            # SLURM would start it again after about 90 s; here at once, once the run is gone and a
+            # second has passed: slurmd refuses a job whose credential was revoked (by the requeue)
+            # in the second the new one is made ("Job credential revoked").
+            wait_for(slurm.idle, 120, "the stopped run's end")
+            time.sleep(2)
+            slurm.run("scontrol", "update", f"jobid={job}", "StartTime=now")
         wait_for(lambda: slurm.job(job)["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
                  300, "the restarted job")
         info = slurm.job(job)
     text = read(log)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-3000:])
-    signal_name = "SIGTERM" if stop == "scontrol requeue" else "SIGUSR1"
-    assert f"stopped by {signal_name} at step" in text, text[-3000:]
-    assert text.count("requeueing job") == (1 if signal_name == "SIGUSR1" else 0)   # SLURM requeues on its own
-    assert f"restart 1 of job {job}" in text and "resumed from" in text
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", (info, text[-3000:])
+    first, second, third = re.split(r"restart [12] of job", text)
+    assert "stopped by SIGTERM at step" in first and "stopped by SIGUSR1 at step" in second, text[-3000:]
+    assert text.count("requeueing job") == 1 and "requeueing job" in second   # the script's, for the signal alone
+    assert "resumed from" in second and "resumed from" in third
     assert_same_weights(load_model(out), resnet_uninterrupted, tol=1e-6)
 
 
