@@ -110,11 +110,11 @@ def main(argv=None):
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
         with common.one_line_per_rank():
             return train(args)
-    # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
-    # pick a free one, so two jobs on one machine never collide.
     world_size = args.world_size or torch.cuda.device_count() or 2
     if args.batch_size % world_size or args.train_samples < args.batch_size:   # refused before any process starts
         common.check_batch(args.batch_size, world_size, args.train_samples, rank=0)
+    # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
+    # pick a free one, so two jobs on one machine never collide.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:
