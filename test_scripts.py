@@ -13,7 +13,7 @@ import dp_resnet
 import fsdp_resnet
 import scratch_lenet
 import scratch_ring
-from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
+from helpers import (DATA, HERE, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
                      load_model, resnet_reference, run)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
@@ -306,7 +306,7 @@ def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance, tmp_path):
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
-                 ["--out", str(tmp_path)], env=ONE_THREAD)
+                 ["--out", str(tmp_path)])
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), resnet_reference(nproc), tol=resnet_tolerance)
     sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_by_collective"]
@@ -318,7 +318,7 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance
 def test_dataparallel_step_equals_ddp_resnet_step(resnet_tolerance, tmp_path):
     """One step of dp_resnet.py is the step of one DDP rank (the reference, which
     ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both."""
-    result = run(["python", "dp_resnet.py"] + RESNET + ["--max-steps", "1", "--out", str(tmp_path)], env=ONE_THREAD)
+    result = run(["python", "dp_resnet.py"] + RESNET + ["--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     assert "DataParallel runs the model on the CPU" in result.stdout
     assert json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"] == 0   # one device: nothing moves
@@ -329,7 +329,7 @@ def test_gradient_accumulation_equals_ranks(resnet_tolerance, tmp_path):
     """--accum-steps 2 in one process computes BatchNorm over the same half-batches as 2 ranks,
     so it must end with their weights: the 2-shard reference's, which 2 ranks reach (test above).
     Buffers: rank 0's there, both micro-batches' here: not compared."""
-    accum = run(["python", "ddp_resnet.py"] + RESNET + ["--accum-steps", "2", "--out", str(tmp_path)], env=ONE_THREAD)
+    accum = run(["python", "ddp_resnet.py"] + RESNET + ["--accum-steps", "2", "--out", str(tmp_path)])
     assert_ok(accum)
     a, r = load_model(tmp_path), resnet_reference(2)
     params = dict(common.resnet("fashion_resnet18", 10, 0).named_parameters())
@@ -345,7 +345,7 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     Each rank holds 1/W of the parameters, gradients and momentum."""
     flags = RESNET + ["--batch-size", "12", "--max-steps", str(steps)]
     fsdp = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "fsdp_resnet.py"] + flags +
-               ["--out", str(tmp_path / "fsdp")], env=ONE_THREAD)
+               ["--out", str(tmp_path / "fsdp")])
     assert_ok(fsdp)
     reference = resnet_reference(nproc, steps=steps, lr=RESNET_LR * 12 / 256, batch_size=12)
     assert_same_weights(load_model(tmp_path / "fsdp"), reference, tol=resnet_tolerance)
@@ -414,7 +414,7 @@ def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, t
     assert "common" in files and set(files) <= set(SCRIPTS) | {"common"}, files
     for name in files:
         shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **ONE_THREAD}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if flags[-1] == "--join":   # a member of a run: its coordinator first, from the same folder
         flags = flags + [f"127.0.0.1:{common.free_port()}"]
         coordinator = subprocess.Popen([sys.executable, f"{script}.py", "--serve", flags[-1]], cwd=tmp_path, env=env,

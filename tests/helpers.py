@@ -27,7 +27,6 @@ SMALL = ["--train-samples", "1024", "--test-samples", "300", "--data-dir", DATA]
 
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}   # downloads fail at once
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # torchrun's setting with 2+ workers; see resnet_reference
 RESNET_LR = 0.002   # for 256 samples: a rate at which ResNet's first steps do not amplify rounding
 RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16", "--max-steps", "2",
           "--lr", str(RESNET_LR), "--data-dir", DATA]

@@ -5,7 +5,7 @@ import pytest
 import common
 import local_slurm
 import simulated_cluster
-from helpers import (HERE, NO_CLUSTER, NO_SLURM, ONE_THREAD, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
+from helpers import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
                      assert_same_weights, load_model, max_difference, read, resnet_reference, run, running, wait_for)
 
 # One at a time, on one pytest-xdist worker: two local SLURMs would share one munged (the first to
@@ -55,7 +55,7 @@ def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all
     all-reduce of each rank's half of the gradients."""
     flags = RESNET + ["--batch-size", "16"]   # RESNET's rate: one at which rounding is not amplified
     flat = run(["torchrun", "--standalone", "--nproc_per_node=4", "fsdp_resnet.py", "--out", str(tmp_path / "flat")] +
-               flags, env=ONE_THREAD)
+               flags)
     assert_ok(flat)
     # The floor: DDP's step (the reference, which ddp_resnet.py is tested to compute) and flat FSDP
     # on 4 ranks are the same sums in another order (allreduce against reduce-scatter); HSDP's
@@ -67,7 +67,7 @@ def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all
                                   f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
                                   "fsdp_resnet.py", "--hsdp", "--out", str(tmp_path / "hsdp")] + flags,
                               cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**cluster.env(), **ONE_THREAD})
+                              env=cluster.env())
                 for i in range(2)]
         outputs = [job.communicate(timeout=300) for job in jobs]
         for job, (_, err) in zip(jobs, outputs):
@@ -191,7 +191,7 @@ def test_two_nodes_train_like_one_process(resnet_tolerance, tmp_path):
                                f"--node_rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                                "--rdzv-id=test", "ddp_resnet.py"] + RESNET + ["--out", str(tmp_path / f"n{i}")],
                               cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **ONE_THREAD})
+                              env=os.environ)
              for i in range(2)]
     for node in nodes:
         out, err = node.communicate(timeout=300)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import common
 from write_images import write_images
-from helpers import (DATA, HERE, ONE_THREAD, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of,
+from helpers import (DATA, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of,
                      load_model, read, run, running, wait_for)
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
@@ -30,8 +30,7 @@ def test_any_number_of_workers_trains_like_none(images, tmp_path):
     """Random crops and flips included: each sample's draw comes from (seed, epoch, index)."""
     flags = ["--data-dir", str(images), "--max-steps", "3"] + FOLDER
     for workers in ("0", "1", "2"):
-        result = run(["python", "ddp_resnet.py", "--workers", workers, "--out", str(tmp_path / workers)] + flags,
-                     env=ONE_THREAD)
+        result = run(["python", "ddp_resnet.py", "--workers", workers, "--out", str(tmp_path / workers)] + flags)
         assert_ok(result)
         assert f"{workers} worker(s) per rank, random crop and flip" in result.stdout
     for workers in ("1", "2"):
@@ -43,9 +42,8 @@ def test_two_ranks_with_workers_train_like_one_process_with_two_micro_batches(im
     its micro-batches are the ranks' shares, BatchNorm included (the in-memory path's proof)."""
     flags = ["--data-dir", str(images), "--max-steps", "3", "--lr", str(RESNET_LR)] + FOLDER
     ranks = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--workers", "2",
-                 "--out", str(tmp_path / "r")] + flags, env=ONE_THREAD)
-    one = run(["python", "ddp_resnet.py", "--workers", "0", "--accum-steps", "2", "--out", str(tmp_path / "a")] + flags,
-              env=ONE_THREAD)
+                 "--out", str(tmp_path / "r")] + flags)
+    one = run(["python", "ddp_resnet.py", "--workers", "0", "--accum-steps", "2", "--out", str(tmp_path / "a")] + flags)
     assert_ok(ranks)
     assert_ok(one)
     assert_same_weights(params_of(load_model(tmp_path / "r")), params_of(load_model(tmp_path / "a")), tol=resnet_tolerance)
@@ -70,9 +68,9 @@ def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, 
         write_idx(idx / images_file, pixels[order].contiguous())
         write_idx(idx / labels_file, labels[order].contiguous())
     flags = ["--max-steps", "4", "--batch-size", "16", "--epochs", "2"]
-    memory = run(["python", "ddp_resnet.py", "--data-dir", str(idx), "--out", str(tmp_path / "m")] + flags, env=ONE_THREAD)
+    memory = run(["python", "ddp_resnet.py", "--data-dir", str(idx), "--out", str(tmp_path / "m")] + flags)
     folder = run(["python", "ddp_resnet.py", "--data-dir", str(images), "--no-augment", "--arch", "fashion_resnet18",
-                  "--image-size", "28", "--workers", "2", "--out", str(tmp_path / "f")] + flags, env=ONE_THREAD)
+                  "--image-size", "28", "--workers", "2", "--out", str(tmp_path / "f")] + flags)
     assert_ok(memory)
     assert_ok(folder)
     assert "Fashion-MNIST in memory" in memory.stdout and "from disk" in folder.stdout
@@ -132,16 +130,16 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
     if stop == "--max-steps":
         flags += ["--train-samples", "48"]
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script]
-    whole = run(torchrun + ["--out", str(tmp_path / "whole")] + flags, env=ONE_THREAD)
+    whole = run(torchrun + ["--out", str(tmp_path / "whole")] + flags)
     assert_ok(whole)
     parts = tmp_path / "parts"
     if stop == "--max-steps":
-        stopped = run(torchrun + ["--resume", "--max-steps", "2", "--out", str(parts)] + flags, env=ONE_THREAD)
+        stopped = run(torchrun + ["--resume", "--max-steps", "2", "--out", str(parts)] + flags)
         assert_ok(stopped)
         said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
         assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
         assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
-        capped = run(torchrun + ["--resume", "--max-steps", "1", "--out", str(parts)] + flags, env=ONE_THREAD)
+        capped = run(torchrun + ["--resume", "--max-steps", "1", "--out", str(parts)] + flags)
         assert_ok(capped)
         assert "nothing to train" in capped.stdout and "at step 2, at or past --max-steps 1" in capped.stdout
         assert "done:" not in capped.stdout
@@ -155,7 +153,7 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
         with open(log, "w") as f:
             job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + torchrun[1:] + ["--out", str(parts)]
                                    + flags, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
             wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
             ranks = children_of(job.pid)
             everyone = descendants_of(job.pid)   # the ranks, each one's fork server and its 2 workers
@@ -169,7 +167,7 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
         wait_for(lambda: not any(running(pid) for pid in everyone), 30, "every rank and worker to exit")
         stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
         assert 2 <= stopped_at < 12
-    resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags, env=ONE_THREAD)
+    resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and f", step {stopped_at}" in resumed.stdout
     assert_same_weights(load_model(tmp_path / "whole"), load_model(parts), tol=1e-6)

@@ -9,7 +9,7 @@ from write_images import write_images
 import ddp_resnet
 import ddp_toy
 import fsdp_resnet
-from helpers import (DATA, HERE, OFFLINE, ONE_THREAD, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
+from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
                       load_model, read, run, wait_for)
 
 # ---------------------------------------------------------------- preemption and resuming
@@ -205,7 +205,7 @@ def two_nodes(folders, flags, timeout=120):
                                f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
                                os.path.join(HERE, "ddp_resnet.py")] + flags,
                               cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **ONE_THREAD, **OFFLINE})
+                              env={**os.environ, **OFFLINE})
              for i, folder in enumerate(folders)]
     outputs = [node.communicate(timeout=timeout) for node in nodes]
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
@@ -265,7 +265,7 @@ def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(mid_epoch_checkpoi
                                f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
                                os.path.join(HERE, "ddp_resnet.py"), "--resume", "--out", "out"] + PREEMPTIBLE,
                               cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **ONE_THREAD})
+                              env=os.environ)
              for i, folder in enumerate(folders)]
     outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (_, err) in zip(nodes, outputs):
@@ -292,16 +292,14 @@ def test_resume_with_other_training_flags_is_refused_and_overwrites_nothing(scri
     (the checkpoint's batches, schedule and optimizer state are those of its own flags); the
     checkpoint and metrics.json stay as they were. A longer --max-steps is no other training."""
     flags = ["--train-samples", "64", "--test-samples", "10", "--data-dir", DATA, "--out", str(tmp_path)]
-    assert_ok(run(["python", script, "--batch-size", "16", "--epochs", "2", "--max-steps", "4"] + flags, env=ONE_THREAD))
+    assert_ok(run(["python", script, "--batch-size", "16", "--epochs", "2", "--max-steps", "4"] + flags))
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
-    refused = run(["python", script, "--batch-size", "32", "--epochs", "2", "--lr", "0.1", "--resume"] + flags,
-                  env=ONE_THREAD)
+    refused = run(["python", script, "--batch-size", "32", "--epochs", "2", "--lr", "0.1", "--resume"] + flags)
     assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr[-2000:]
     assert "batch_size 16 there, 32 here" in refused.stderr and "lr 0.05 there, 0.1 here" in refused.stderr
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
     if script == "ddp_resnet.py":   # (the others' resumes are tested above and in test_slow_links.py)
-        resumed = run(["python", script, "--batch-size", "16", "--epochs", "2", "--max-steps", "6", "--resume"] + flags,
-                      env=ONE_THREAD)
+        resumed = run(["python", script, "--batch-size", "16", "--epochs", "2", "--max-steps", "6", "--resume"] + flags)
         assert_ok(resumed)
         assert "epoch 1 done, step 4" in resumed.stdout and "done: 6 steps" in resumed.stdout
 
@@ -311,8 +309,7 @@ def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint
     2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
     checkpoint = tmp_path / "checkpoint.pt"
     shutil.copy(mid_epoch_checkpoint_of_2_ranks, checkpoint)
-    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE,
-                 env=ONE_THREAD)
+    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE)
     assert_ok(result)
     assert "epoch 1 at batch 2/6, step 2" in result.stdout
     got, params = load_model(tmp_path), dict(common.resnet("fashion_resnet18", 10, 0).named_parameters())
@@ -325,7 +322,7 @@ def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     flags = ["--train-samples", "48", "--batch-size", "12", "--test-samples", "50", "--data-dir", DATA]
     flags += ["--epochs", "2"]   # the first run stops at the end of epoch 1
     saved = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--max-steps", "4", "--out",
-                 str(tmp_path)] + flags, env=ONE_THREAD)
+                 str(tmp_path)] + flags)
     assert_ok(saved)
     newest = fsdp_resnet.newest_checkpoint(str(tmp_path / "checkpoint"))
     assert newest.endswith("step-00000004"), newest   # 48 samples, 12 a step: 4 steps
@@ -333,11 +330,11 @@ def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
     assert len(shards) == 2, shards   # one file per rank
     loaded = tmp_path / "loaded.pt"
     result = run(["torchrun", "--standalone", "--nproc_per_node=1", "tests/torchrun_checks.py", "fsdp-load",
-                  str(tmp_path / "checkpoint"), str(loaded)], env=ONE_THREAD)
+                  str(tmp_path / "checkpoint"), str(loaded)])
     assert_ok(result)
     assert_same_weights(torch.load(loaded), load_model(tmp_path), tol=0)
     resumed = run(["torchrun", "--standalone", "--nproc_per_node=3", "fsdp_resnet.py", "--resume"] +
-                  flags + ["--out", str(tmp_path)], env=ONE_THREAD)
+                  flags + ["--out", str(tmp_path)])
     assert_ok(resumed)
     assert "epoch 1 done, step 4" in resumed.stdout
     assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]

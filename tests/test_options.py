@@ -6,7 +6,7 @@ import pytest
 import torch
 import common
 import scratch_lenet
-from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
+from helpers import (DATA, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
 
 
@@ -46,7 +46,7 @@ def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):
     but the same direction."""
     # 4 images per rank and 10 to test: bf16 convolutions are slow on CPUs without bf16 units
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--amp", "--out", str(tmp_path)] +
-                 RESNET + ["--max-steps", "1", "--batch-size", "8", "--test-samples", "10"], env=ONE_THREAD)
+                 RESNET + ["--max-steps", "1", "--batch-size", "8", "--test-samples", "10"])
     assert_ok(result)
     reference = resnet_reference(2, steps=1, lr=RESNET_LR * 8 / 256, batch_size=8)
     step_fp32, step_amp = resnet_step(reference), resnet_step(load_model(tmp_path))
@@ -89,7 +89,7 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
     shutdown, where they now and then abort a rank that has finished ("terminate called without
     an active exception", seen in CI). One rank, started as torchrun would start it."""
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(common.free_port()), **ONE_THREAD)
+               MASTER_PORT=str(common.free_port()))
     result = run(["python", "tests/torchrun_checks.py", "threads-left", script, "--out", str(tmp_path)] + flags, env=env)
     assert_ok(result)
     def group_threads(label):

@@ -4,7 +4,7 @@ right."""
 import json
 import pytest
 import common
-from helpers import (DATA, ONE_THREAD, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
+from helpers import (DATA, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
@@ -28,7 +28,7 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "diloco_resnet.py", "--local-steps", "1",
                   "--outer-lr", "1", "--outer-momentum", "0", "--lr", str(lr), "--batch-size", str(batch_size),
                   "--train-samples", str(4 * batch_size), "--test-samples", "101", "--max-steps", "3",
-                  "--data-dir", DATA, "--out", str(tmp_path)], env=ONE_THREAD)
+                  "--data-dir", DATA, "--out", str(tmp_path)])
     assert_ok(result)
     reference = resnet_reference(nproc, steps=3, lr=lr * batch_size / 256, batch_size=batch_size,
                                  samples=4 * batch_size)
@@ -48,14 +48,14 @@ def test_diloco_resumes_inside_a_round(tmp_path):
     checkpoint's are kept."""
     # no --checkpoint-every: a DiLoCo checkpoint holds every rank's replica; the stop writes one
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--local-steps", "4"] + TWO_EPOCHS
-    whole = run(torchrun + ["--out", str(tmp_path / "whole")], env=ONE_THREAD)
-    stopped = run(torchrun + ["--max-steps", "5", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    whole = run(torchrun + ["--out", str(tmp_path / "whole")])
+    stopped = run(torchrun + ["--max-steps", "5", "--out", str(tmp_path / "parts")])
     assert_ok(whole)
     assert_ok(stopped)
     assert "model.pt holds the shared weights of the last sync (step 4)" in stopped.stdout
     replicas = lambda: sorted(str(p.relative_to(tmp_path / "parts")) for p in (tmp_path / "parts").glob("checkpoint.pt.*/*"))
     assert replicas() == ["checkpoint.pt.replicas-step5/rank0.pt", "checkpoint.pt.replicas-step5/rank1.pt"]
-    resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")])
     assert_ok(resumed)
     assert replicas() == ["checkpoint.pt.replicas-step12/rank0.pt", "checkpoint.pt.replicas-step12/rank1.pt"]
     assert "resumed from" in resumed.stdout and "batch 5/6, step 5" in resumed.stdout
@@ -72,7 +72,7 @@ def test_16_bit_comm_hooks_step_the_fp32_way(hook, nproc, tmp_path):
     """PyTorch's bf16/fp16 compression hooks: the reference step up to gradients rounded to 16
     bits (not exactly it: the hook is in use)."""
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
-                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)], env=ONE_THREAD)
+                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     step_fp32, step_16 = resnet_step(resnet_reference(nproc, steps=1)), resnet_step(load_model(tmp_path))
     assert 0 < (step_16 - step_fp32).norm() / step_fp32.norm() < 0.02
@@ -87,12 +87,12 @@ def test_powersgd_compresses_after_plain_steps_and_a_resume_starts_it_afresh(res
     are plain again: the reference's 4 steps."""
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--comm-hook", "powersgd",
                 "--powersgd-rank", "1", "--powersgd-start", "2"] + RESNET
-    whole = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "whole")], env=ONE_THREAD)
-    stopped = run(torchrun + ["--max-steps", "2", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    whole = run(torchrun + ["--max-steps", "4", "--out", str(tmp_path / "whole")])
+    stopped = run(torchrun + ["--max-steps", "2", "--out", str(tmp_path / "parts")])
     assert_ok(whole)
     assert_ok(stopped)
     assert_same_weights(load_model(tmp_path / "parts"), resnet_reference(2, steps=2), tol=resnet_tolerance)
-    resumed = run(torchrun + ["--max-steps", "4", "--resume", "--out", str(tmp_path / "parts")], env=ONE_THREAD)
+    resumed = run(torchrun + ["--max-steps", "4", "--resume", "--out", str(tmp_path / "parts")])
     assert_ok(resumed)
     assert "note: PowerSGD starts afresh after a resume: plain allreduce for 2 steps" in resumed.stdout
     plain = resnet_reference(2, steps=4)
@@ -112,7 +112,7 @@ def test_fsdp_bytes_computed_from_the_shards_are_what_torch_distributed_is_hande
     """fsdp_resnet.py counts what FSDP2 sends from the shards' sizes (public APIs only); one
     step's all-gathers, reduce-scatters and (HSDP, 2 x 2) all-reduces, counted where
     torch.distributed is called, are those bytes exactly, in fp32 and with --amp."""
-    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "tests/torchrun_checks.py", "fsdp-sent", mesh],
-                 env=ONE_THREAD)
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "tests/torchrun_checks.py", "fsdp-sent",
+                  mesh])
     assert_ok(result)
     assert "fsdp sent ok" in result.stdout
