@@ -129,7 +129,8 @@ def test_scratch_replicas_end_with_one_device_weights(replicas, scratch_one_repl
     assert_same_weights(load_model(out), scratch_one_replica)
     for W in final[1:]:   # the replicas never drift apart
         assert all(torch.equal(a, b) for a, b in zip(W, final[0]))
-    assert json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"] == 4 * LENET_PARAMS   # its gradient, each step
+    sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_per_step"]
+    assert sent == 4 * LENET_PARAMS   # its gradient, each step
 
 
 def test_both_layouts_train_alike(scratch_one_replica, tmp_path):
@@ -442,7 +443,8 @@ def torch_names(tree):
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name.split(".")[0] == "torch"}
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] == "torch"}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             names |= {alias.asname or alias.name for alias in node.names}
     return names

@@ -108,7 +108,8 @@ def main():
           f"{'ratio':>7}  runs")
     for model, approach, devices, backend, layout, rate in rows:
         runs = "/".join(f"{r:,.0f}" for r in rates[approach])
-        print(f"{model:9}{approach:42}{devices:11}{backend:14}{layout:17}{rate:10,.0f}{rate / base[model]:7.2f}  {runs}")
+        print(f"{model:9}{approach:42}{devices:11}{backend:14}{layout:17}{rate:10,.0f}"
+              f"{rate / base[model]:7.2f}  {runs}")
     if not gpus:   # our LeNet step against the original's, per sample
         original_rate = statistics.median(rates["d2l original (DataLoader, 2 workers)"])
         for approach in (f"scratch, {n} replicas in one process", f"scratch, {n} replicas, --compile"):

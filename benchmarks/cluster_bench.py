@@ -76,7 +76,8 @@ def main():
         row("DDP, same LeNet and bucket size: compute alone (no_sync)", r["ddp_compute"], None)
         row("DDP: comm alone (gloo allreduce of the gradients)", r["ddp_comm"], comm_model)
         row("DDP: step (model = its floor)", r["ddp"],
-            r["forward"] + max(r["ddp_compute"] - r["forward"], r["ddp_comm"]) + ring_model(r["buckets"][-1], 2, rate, r["alpha"]))
+            r["forward"] + max(r["ddp_compute"] - r["forward"], r["ddp_comm"])
+            + ring_model(r["buckets"][-1], 2, rate, r["alpha"]))
         for name in ("after_backward", "overlap"):
             r[f"hidden_{name}"] = (r["compute"] + r["comm"] - r[name]) / r["comm"]
         r["hidden_ddp"] = (r["ddp_compute"] + r["ddp_comm"] - r["ddp"]) / r["ddp_comm"]   # against its own parts
@@ -102,7 +103,8 @@ def main():
         r = results["resnet"][rate] = measure(2, 1, rate, ["--model", "resnet", "--batch-size", "64",
                                                            "--warmup", "2", "--steps", "2", "--repeats", "5"])
         comm_model = ring_model(r["bytes"], 2, rate, r["alpha"])
-        header(f"ResNet-18 ({r['bytes'] / 1e6:.1f} MB of gradients), DDP, 2 nodes x 1 process, 32 images per rank, {rate} Mbit/s")
+        header(f"ResNet-18 ({r['bytes'] / 1e6:.1f} MB of gradients), DDP, 2 nodes x 1 process, "
+               f"32 images per rank, {rate} Mbit/s")
         row("compute alone (no_sync)", r["compute"], None)
         row("comm alone: one allreduce of all gradients", r["comm"], comm_model)
         row("DDP, one bucket (allreduce after backward)", r["ddp_one_bucket"], r["compute"] + r["comm"])

@@ -66,7 +66,8 @@ def lenet(args, rank, world_size, results):
     step = lambda W, V, **kw: scratch_ring.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
     variants = {
         "compute": lambda: step(W, V, rank=0, world_size=1),   # summed in memory, no network
-        "forward": lambda: list(scratch_lenet.REPLICA_THREADS.map(scratch_lenet.lenet, X.tensor_split(len(devices)), W)),
+        "forward": lambda: list(scratch_lenet.REPLICA_THREADS.map(scratch_lenet.lenet,
+                                                                  X.tensor_split(len(devices)), W)),
         "comm": lambda: scratch_ring.ring_allreduce([p.grad for p in W[0]], rank, world_size),
         "after_backward": lambda: step(W, V, rank=rank, world_size=world_size),
         "overlap": lambda: step(W2, V2, rank=rank, world_size=world_size, overlap=overlap),

@@ -51,15 +51,16 @@ def main():
         small = common.image_folders(folder, 28, 1, False, 0, None, None)[0]
         large = common.image_folders(folder, 224, 3, True, 0, None, None)[0]
         for workers in (0, 1, 2):
-            print(f"{workers:>8} {loader_rate(small, workers):>26,.0f} {loader_rate(large, workers):>28,.0f}", flush=True)
+            print(f"{workers:>8} {loader_rate(small, workers):>26,.0f} {loader_rate(large, workers):>28,.0f}",
+                  flush=True)
 
         print(f"\n2. ddp_resnet.py, one process, fashion_resnet18, {STEPS} steps of {BATCH}, samples/s")
         idx = os.path.join(HERE, "data")
         rates = {"memory": [], "folder": []}
         for _ in range(REPEATS):   # interleaved: the machine's drift hits both alike
             rates["memory"].append(training_rate(idx, ["--train-samples", str(IMAGES)], os.path.join(tmp, "m")))
-            rates["folder"].append(training_rate(folder, ["--arch", "fashion_resnet18", "--no-augment", "--workers", "2"],
-                                                 os.path.join(tmp, "f")))
+            folder_flags = ["--arch", "fashion_resnet18", "--no-augment", "--workers", "2"]
+            rates["folder"].append(training_rate(folder, folder_flags, os.path.join(tmp, "f")))
             print(f"   memory {rates['memory'][-1]:6.1f}   folder {rates['folder'][-1]:6.1f}", flush=True)
         memory, from_disk = statistics.median(rates["memory"]), statistics.median(rates["folder"])
         print(f"median: memory {memory:.1f}, folder {from_disk:.1f} samples/s: folder/memory {from_disk / memory:.3f}x")

@@ -43,7 +43,8 @@ def measure(args, variant):
     ranks = VARIANTS[variant]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                 if ranks > 1 else [sys.executable, "-c", "import common; common.default_to_one_process(); "
-                                   "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"])
+                                   "import runpy, sys; sys.argv = sys.argv[1:]; "
+                                   "runpy.run_path(sys.argv[0], run_name='__main__')"])
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}   # torchrun sets 1 per rank itself
     result = subprocess.run(launcher + [os.path.abspath(__file__), "--worker", "--variant", variant, "--batch-size",
                                         str(args.batch_size), "--steps", str(args.steps)],

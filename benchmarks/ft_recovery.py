@@ -64,7 +64,8 @@ def torchft_member(lighthouse, replica, steps, timeout_s, host="127.0.0.1", batc
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)   # this replica group's own
     timeout = datetime.timedelta(seconds=timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, timeout=timeout,
-                      load_state_dict=lambda s: (net.load_state_dict(s["model"]), optimizer.load_state_dict(s["optim"])),
+                      load_state_dict=lambda s: (net.load_state_dict(s["model"]),
+                                                 optimizer.load_state_dict(s["optim"])),
                       state_dict=lambda: {"model": net.state_dict(), "optim": optimizer.state_dict()},
                       replica_id=f"replica{replica}", lighthouse_addr=lighthouse, rank=0, world_size=1,
                       store_addr=host, store_port=store.port, hostname=host)
@@ -197,7 +198,8 @@ def main():
     args = p.parse_args()
     import torch
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, {time.strftime('%Y-%m-%d')}: 3 processes, "
-          f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill in the middle of step {args.kill_at + 1}", flush=True)
+          f"ResNet-18 28x28, global batch 24, {args.steps} steps, a kill in the middle of step {args.kill_at + 1}",
+          flush=True)
     float32 = lambda out, steps, kill_at: run_ft(out, steps, kill_at, sums="float32")
     results, runs = {}, [("ft_ddp_resnet.py, nothing fails", run_ft, 0),
                          ("ft_ddp_resnet.py --sums float32, nothing fails", float32, 0),
@@ -229,10 +231,11 @@ def main():
           f"{ft['normal step s'] / ft32:.2f}x", flush=True)
     lost_ft = results["ft_ddp_resnet.py, one member SIGKILLed"]["lost_s"]
     lost_ddp = results["ddp_resnet.py, one rank SIGKILLed, restart"]["lost_s"]
-    print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: {lost_ddp / max(lost_ft, 1e-3):.1f}x less",
-          flush=True)
+    print(f"time lost per failure: ft {lost_ft} s, restart path {lost_ddp} s: "
+          f"{lost_ddp / max(lost_ft, 1e-3):.1f}x less", flush=True)
     if "torchft 0.2.0, one replica SIGKILLed" in results:
-        print(f"time lost per failure: ft {lost_ft} s, torchft {results['torchft 0.2.0, one replica SIGKILLed']['lost_s']} s; "
+        lost_torchft = results["torchft 0.2.0, one replica SIGKILLed"]["lost_s"]
+        print(f"time lost per failure: ft {lost_ft} s, torchft {lost_torchft} s; "
               f"per step: torchft {results['torchft 0.2.0, nothing fails']['normal step s']} s", flush=True)
     print(json.dumps(results))
 

@@ -81,8 +81,8 @@ def main():
     finally:
         shutil.rmtree(torchvision_root)
     base = statistics.median(rates["d2l original (DataLoader, turns)"])
-    print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}; "
-          f"median of {ROUNDS} rounds of {STEPS} steps; ratios to the d2l original")
+    print(f"LeNet step, 2 CPU replicas, batch {BATCH}, {len(os.sched_getaffinity(0))} cores, "
+          f"torch {torch.__version__}; median of {ROUNDS} rounds of {STEPS} steps; ratios to the d2l original")
     for name, values in rates.items():
         print(f"{name:36} {statistics.median(values):7,.0f} samples/s  {statistics.median(values) / base:5.2f}x   "
               f"({' / '.join(f'{v:,.0f}' for v in values)})")

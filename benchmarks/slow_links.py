@@ -55,8 +55,9 @@ def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps=None, base=BA
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                   f"--nproc_per_node={procs_per_node}", f"--node-rank={i}",
                                   f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
-                                  os.path.join(ROOT, script)] + base + flags + (["--max-steps", str(steps)] if steps else []) +
-                              ["--out", out, "--data-dir", os.path.join(ROOT, "data")],
+                                  os.path.join(ROOT, script)] + base + flags
+                              + (["--max-steps", str(steps)] if steps else [])
+                              + ["--out", out, "--data-dir", os.path.join(ROOT, "data")],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                 for i in range(2)]
         outputs = [job.communicate(timeout=3600) for job in jobs]
@@ -104,9 +105,13 @@ def main(argv=None):
                   f"{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}", flush=True)
         ddp = results["DDP"][rate] if "DDP" in results else None
         if ddp:
-            print("  against DDP: " + ", ".join(f"{label} {results[label][rate]['step_s'] / ddp['step_s']:.2f}x time, "
-                                                f"{results[label][rate]['sent_bytes_per_step'] / ddp['sent_bytes_per_step']:.3f}x bytes"
-                                                for label, *_ in variants if label != "DDP"), flush=True)
+            ratios = []
+            for label, *_ in variants:
+                if label != "DDP":
+                    mine = results[label][rate]
+                    ratios.append(f"{label} {mine['step_s'] / ddp['step_s']:.2f}x time, "
+                                  f"{mine['sent_bytes_per_step'] / ddp['sent_bytes_per_step']:.3f}x bytes")
+            print("  against DDP: " + ", ".join(ratios), flush=True)
         json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
     if args.accuracy_rate:
         accuracy(results, args.accuracy_rate)

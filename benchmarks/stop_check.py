@@ -75,7 +75,8 @@ def main():
     stop.close()
     if rank == 0:
         base = statistics.median(times["no check"])
-        print(f"{world_size} ranks on {device} ({dist.get_backend()}), median of {args.repeats} rounds of {args.steps} steps")
+        print(f"{world_size} ranks on {device} ({dist.get_backend()}), median of {args.repeats} rounds of "
+              f"{args.steps} steps")
         for name, seconds in times.items():
             median = statistics.median(seconds)
             print(f"  {name:20} {median * 1e3:8.3f} ms/step  {median / base:5.3f}x no check")

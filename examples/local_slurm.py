@@ -114,7 +114,8 @@ PartitionName=local Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
             if any(d.poll() is not None for d in self.daemons):
                 break
             time.sleep(0.5)
-        logs = "".join(open(os.path.join(self.dir, f)).read()[-1500:] for f in os.listdir(self.dir) if f.endswith(".log"))
+        logs = "".join(open(os.path.join(self.dir, f)).read()[-1500:] for f in os.listdir(self.dir)
+                       if f.endswith(".log"))
         raise RuntimeError(f"local SLURM: the nodes did not come up\n{logs}")
 
     def _munge(self):

@@ -19,8 +19,8 @@ def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_p
     """The command line of simulated_cluster.py: two nodes with their own addresses and 1 Gbit/s
     links, one torchrun per node, rendezvous at node 0's address."""
     torchrun = f"{sys.executable} -m torch.distributed.run"
-    result = run(["python", "examples/simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"] + torchrun.split() +
-                 ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
+    result = run(["python", "examples/simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"]
+                 + torchrun.split() + ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
                   f"--master-port={common.free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path / "node0"), toy_one_rank)
@@ -98,7 +98,8 @@ def test_simulated_cluster_killed_with_sigterm_deletes_its_nodes_and_their_proce
     child_pid = tmp_path / "child.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '600'], start_new_session=True); "
               f"open({str(child_pid)!r}, 'w').write(str(p.pid)); time.sleep(600)")
-    job = subprocess.Popen([sys.executable, "examples/simulated_cluster.py", "--nodes", "2", "--", sys.executable, "-c", script],
+    job = subprocess.Popen([sys.executable, "examples/simulated_cluster.py", "--nodes", "2", "--",
+                            sys.executable, "-c", script],
                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not child_pid.exists() and time.time() < deadline:

@@ -46,7 +46,8 @@ def test_two_ranks_with_workers_train_like_one_process_with_two_micro_batches(im
     one = run(["python", "ddp_resnet.py", "--workers", "0", "--accum-steps", "2", "--out", str(tmp_path / "a")] + flags)
     assert_ok(ranks)
     assert_ok(one)
-    assert_same_weights(params_of(load_model(tmp_path / "r")), params_of(load_model(tmp_path / "a")), tol=resnet_tolerance)
+    assert_same_weights(params_of(load_model(tmp_path / "r")), params_of(load_model(tmp_path / "a")),
+                        tol=resnet_tolerance)
 
 
 def write_idx(path, tensor):
@@ -89,7 +90,8 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: gpu_seeded.append(seed))
     train.epoch.fill_(1)
     draw = train[0][0]
-    assert torch.equal(torch.get_rng_state(), before) and gpu_seeded == []   # the training process's generators untouched
+    # the training process's generators untouched
+    assert torch.equal(torch.get_rng_state(), before) and gpu_seeded == []
     assert torch.equal(draw, train[0][0]) and not torch.equal(draw, train[1][0])
     train.epoch.fill_(2)
     assert not torch.equal(draw, train[0][0])
@@ -151,8 +153,8 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
         parts.mkdir()
         log = tmp_path / "log"
         with open(log, "w") as f:
-            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + torchrun[1:] + ["--out", str(parts)]
-                                   + flags, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
+            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + torchrun[1:]
+                                   + ["--out", str(parts)] + flags, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
             wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
             ranks = children_of(job.pid)

@@ -14,7 +14,8 @@ from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
-def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_same(script, resnet_uninterrupted, tmp_path):
+def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_same(
+        script, resnet_uninterrupted, tmp_path):
     """SIGTERM to rank 1 alone: the handler only notes the signal; the ranks agree at a step
     boundary (so rank 0 is not left waiting), the checkpoint is written, all exit with status 75.
     FSDP's uninterrupted weights are DDP's (test_scripts.py). SIGTERM to every rank and worker at
@@ -174,8 +175,9 @@ def test_a_killed_rank_leaves_its_peer_one_line_naming_the_checkpoint(tmp_path):
     assert job.wait(timeout=60) != 0
     text = read(log)
     assert no_traceback_from_a_rank(text), text[-4000:]
-    assert ("rank 0: stopping: another rank failed or left" in text and
-            f"run again with --resume to go on from the last checkpoint, {tmp_path / 'checkpoint.pt'}" in text), text[-4000:]
+    assert "rank 0: stopping: another rank failed or left" in text, text[-4000:]
+    checkpoint = tmp_path / "checkpoint.pt"
+    assert f"run again with --resume to go on from the last checkpoint, {checkpoint}" in text, text[-4000:]
 
 
 def test_sigterm_to_a_rank_stuck_in_a_collective_ends_it_within_the_grace(tmp_path):
@@ -229,7 +231,8 @@ def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(no
             first_labels.write_bytes(first_labels.read_bytes()[:100])
         else:   # the test set's labels where the training set's should be
             shutil.copy(folders[1] / "data" / "t10k-labels-idx1-ubyte.gz", first_labels)
-            shutil.copy(folders[1] / "data" / "t10k-images-idx3-ubyte.gz", folders[1] / "data" / "train-images-idx3-ubyte.gz")
+            shutil.copy(folders[1] / "data" / "t10k-images-idx3-ubyte.gz",
+                        folders[1] / "data" / "train-images-idx3-ubyte.gz")
     started = time.time()
     (code0, out0, err0), (code1, out1, err1) = two_nodes(
         folders, ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--max-steps", "1",
@@ -241,7 +244,8 @@ def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(no
     assert code0 != 0 and code1 != 0
     assert time.time() - started < 60   # both stopped long before --init-timeout
     if node_1_has == "a truncated file":   # node 1 names itself and the file; node 0 says why it stops
-        assert f"rank 1 ({os.uname().nodename}): error: data/train-labels-idx1-ubyte.gz is truncated" in err1, err1[-3000:]
+        truncated = f"rank 1 ({os.uname().nodename}): error: data/train-labels-idx1-ubyte.gz is truncated"
+        assert truncated in err1, err1[-3000:]
         assert "rank 0: stopping: rank 1 cannot go on" in err0, err0[-3000:]
     elif node_1_has == "a file as --data-dir":
         assert f"rank 1 ({os.uname().nodename}): error: --data-dir data is not a folder" in err1, err1[-3000:]
@@ -253,7 +257,8 @@ def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(no
         assert said not in err0 + err1, (err0 + err1)[-3000:]
 
 
-def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
+def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(
+        mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
     """Node-local disks: two torchrun "nodes" in folders of their own, the checkpoint (a relative
     path) only in node 0's. Rank 0 reads it and sends it on; both ranks go on from step 2."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
@@ -304,7 +309,8 @@ def test_resume_with_other_training_flags_is_refused_and_overwrites_nothing(scri
         assert "epoch 1 done, step 4" in resumed.stdout and "done: 6 steps" in resumed.stdout
 
 
-def test_mid_epoch_checkpoint_resumes_at_another_world_size(mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
+def test_mid_epoch_checkpoint_resumes_at_another_world_size(
+        mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
     """Same global batch, same batches: 1 process with 2 micro-batches (the per-rank BatchNorm of
     2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
     checkpoint = tmp_path / "checkpoint.pt"
@@ -380,8 +386,8 @@ def test_checkpoint_every_must_be_positive(capsys):
 def test_short_rendezvous_timeout_leaves_collectives_their_own():
     """--init-timeout 2 bounds the rendezvous only: rank 0 then works 6 s (a slow checkpoint)
     while rank 1 waits in a barrier, and both go on."""
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "slow-barrier", "2", "6"],
-                 timeout=120)
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py",
+                  "slow-barrier", "2", "6"], timeout=120)
     assert_ok(result)
     assert result.stdout.count("barrier passed") == 2
 
@@ -399,10 +405,11 @@ def test_partner_that_never_comes_gives_an_error_not_a_hang():
 
 
 def test_two_jobs_side_by_side_both_finish(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     commands = [[sys.executable, "ddp_toy.py", "--epochs", "2"],
                 [sys.executable, "ddp_toy.py", "--epochs", "2"],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_toy.py", "--epochs", "2"]]
+                torchrun + ["ddp_toy.py", "--epochs", "2"],
+                torchrun + ["ddp_toy.py", "--epochs", "2"]]
     jobs = [subprocess.Popen(c + ["--out", str(tmp_path / str(i))], cwd=HERE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i, c in enumerate(commands)]
     for job in jobs:

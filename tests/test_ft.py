@@ -177,7 +177,8 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         assert "dropped by the coordinator" in log and log.count("joined run") == 2, log
         # Woken, it rejoins at the step it had; if the others' failed step was not yet retried, the
         # new generation starts there and nothing needs recovering; if they had gone on, it recovers.
-        rejoined = re.search(r"joined run \S+ at \S+, at step (\d+)\n.*generation \d+: \d+ member\(s\), from step (\d+)",
+        rejoined = re.search(r"joined run \S+ at \S+, at step (\d+)\n"
+                             r".*generation \d+: \d+ member\(s\), from step (\d+)",
                              log.split("dropped by the coordinator")[1])
         assert rejoined, log
         assert ("recovered live at step" in log) == (int(rejoined[1]) < int(rejoined[2])), log
@@ -359,7 +360,8 @@ def test_bad_inputs_each_end_with_one_line(tmp_path):
         run.member("new", "--batch-size", "32", "--min-members", "2")   # no live member left: its flags are the run's
         wait_for(lambda: "joined run" in run.log("new"), 60, "a member with other flags to join")
     for command, line in (
-            (["--join", f"127.0.0.1:{common.free_port()}", "--init-timeout", "1"], "error: no coordinator at 127.0.0.1:"),
+            (["--join", f"127.0.0.1:{common.free_port()}", "--init-timeout", "1"],
+             "error: no coordinator at 127.0.0.1:"),
             (["--serve", f"0.0.0.0:{common.free_port()}"], "error: 0.0.0.0 can be reached from other machines, and "
                                                             "FT_SECRET is not set")):
         result = subprocess.run([sys.executable, "ft_ddp_resnet.py", *command, "--data-dir", DATA,

@@ -90,7 +90,8 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
     an active exception", seen in CI). One rank, started as torchrun would start it."""
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(common.free_port()))
-    result = run(["python", "tests/torchrun_checks.py", "threads-left", script, "--out", str(tmp_path)] + flags, env=env)
+    result = run(["python", "tests/torchrun_checks.py", "threads-left", script, "--out", str(tmp_path)] + flags,
+                 env=env)
     assert_ok(result)
     def group_threads(label):
         names = result.stdout.split(label)[1].splitlines()[0].split()

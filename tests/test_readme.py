@@ -29,7 +29,8 @@ def test_readme_cites_only_tests_that_exist():
     """README.md links tests/README.md, which says what each test proves."""
     cited = set(re.findall(r"`(test_\w+)`", open(os.path.join(HERE, "tests", "README.md")).read()))
     assert "tests/README.md" in open(os.path.join(HERE, "README.md")).read()
-    defined = {name for path in glob.glob(os.path.join(HERE, "test_*.py")) + glob.glob(os.path.join(HERE, "tests", "test_*.py"))
+    files = glob.glob(os.path.join(HERE, "test_*.py")) + glob.glob(os.path.join(HERE, "tests", "test_*.py"))
+    defined = {name for path in files
                for name in re.findall(r"^def (test_\w+)", open(path).read(), re.M)}
     assert cited and cited <= defined, cited - defined
 
@@ -66,5 +67,6 @@ def test_tags_come_from_the_readme_list_and_mark_every_collective():
             where = f"{script}.py:{number}: {line.strip()}"
             assert all(tag == TAGS.get(script) for tag in tags), where
             code = line.split("#")[0]
-            if script in TAGS and COMMUNICATES.search(code) and not code.lstrip().startswith(("def ", "import", "from")):
+            communicates = COMMUNICATES.search(code) and not code.lstrip().startswith(("def ", "import", "from"))
+            if script in TAGS and communicates:
                 assert tags, f"untagged: {where}"

@@ -53,7 +53,8 @@ def test_diloco_resumes_inside_a_round(tmp_path):
     assert_ok(whole)
     assert_ok(stopped)
     assert "model.pt holds the shared weights of the last sync (step 4)" in stopped.stdout
-    replicas = lambda: sorted(str(p.relative_to(tmp_path / "parts")) for p in (tmp_path / "parts").glob("checkpoint.pt.*/*"))
+    parts = tmp_path / "parts"
+    replicas = lambda: sorted(str(p.relative_to(parts)) for p in parts.glob("checkpoint.pt.*/*"))
     assert replicas() == ["checkpoint.pt.replicas-step5/rank0.pt", "checkpoint.pt.replicas-step5/rank1.pt"]
     resumed = run(torchrun + ["--resume", "--out", str(tmp_path / "parts")])
     assert_ok(resumed)

@@ -89,7 +89,8 @@ def fsdp_sent(hsdp):
     counted = {}
     def counting(name, collective):
         def call(*args, **kwargs):
-            handed = [*args, *kwargs.values()][0 if name == "all_reduce" else 1]   # all_reduce's tensor; the others' input
+            # all_reduce's tensor; the others' input
+            handed = [*args, *kwargs.values()][0 if name == "all_reduce" else 1]
             counted[name] = counted.get(name, 0) + handed.numel() * handed.element_size()
             return collective(*args, **kwargs)
         return call
@@ -99,7 +100,8 @@ def fsdp_sent(hsdp):
         if hasattr(dist, function):
             setattr(dist, function, counting(name, getattr(dist, function)))
     device = torch.device("cpu")
-    mesh = fsdp_resnet.device_mesh(device, world_size, world_size // 2 if hsdp == "hsdp" else world_size, hsdp == "hsdp")
+    shard_size = world_size // 2 if hsdp == "hsdp" else world_size
+    mesh = fsdp_resnet.device_mesh(device, world_size, shard_size, hsdp == "hsdp")
     def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
         model = fsdp_resnet.shard(common.resnet("fashion_resnet18", 10, 0), mesh, amp)
