@@ -1,7 +1,7 @@
 """What every script needs and is not its lesson: the device and the group, the data through DistributedSampler
 and DataLoader, accuracy, one line from every rank when one fails, a stop all ranks agree on, the outputs."""
 import argparse, atexit, contextlib, datetime, gzip, json, math, multiprocessing, os, shutil, signal, socket, struct
-import sys, threading, time, zlib
+import sys, threading, time, traceback, zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  before any group exists: imported later, it kept gloo alive at exit
@@ -317,6 +317,7 @@ def one_line_per_rank(checkpoint=None):
         if isinstance(line, str):
             tell_the_launcher(line)
         if dist.is_initialized():   # a group left alive into the interpreter's exit can abort it (SIGABRT)
+            traceback.clear_frames(e.__traceback__)   # their DDP wrap goes first: freeing the group, it could hang
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         raise SystemExit(line) from None

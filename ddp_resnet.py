@@ -191,6 +191,7 @@ def train(args):
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
             if signalled:   # DDP: every rank stops after this same step, the checkpoint written
+                del model, ddp_model   # DDP: the wrap goes first (see the end of train)
                 dist.destroy_process_group()   # DDP: leave, then exit 75
                 raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
             if step == final_step:
@@ -213,6 +214,7 @@ def train(args):
         if not args.comm_hook and world_size > 1:   # DDP allreduces every gradient once a step
             sent_per_step = {f"all_reduce ({world_size} ranks)": common.nbytes(*net.parameters())}
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent_per_step)
+    del model, ddp_model   # DDP: the wrap goes first: if it freed the group, gloo's threads could deadlock (torch 2.9)
     dist.destroy_process_group()   # DDP: leave cleanly
     return net
 

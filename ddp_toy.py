@@ -82,8 +82,10 @@ def train(args):
             break
     if master:
         common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict(), sent)
+    net = model.module
+    del model   # DDP: the wrap goes first: if it freed the group, gloo's threads could deadlock (torch 2.9)
     dist.destroy_process_group()   # DDP: leave cleanly
-    return model.module
+    return net
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
