@@ -317,7 +317,7 @@ def one_line_per_rank(checkpoint=None):
         if isinstance(line, str):
             tell_the_launcher(line)
         if dist.is_initialized():   # a group left alive into the interpreter's exit can abort it (SIGABRT)
-            traceback.clear_frames(e.__traceback__)   # their DDP wrap goes first: freeing the group, it could hang
+            traceback.clear_frames(e.__traceback__)   # their locals go first: a DDP wrap freeing the group can hang
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         raise SystemExit(line) from None
