@@ -171,8 +171,6 @@ def read_image(path):
 def check_batch(global_batch, world_size, train_samples, rank):
     """The per-rank batch; one the ranks cannot share, or more than the samples, refused by rank 0."""
     if global_batch % world_size or train_samples < global_batch:
-        if rank != 0:   # rank 0's line first: a launcher reports the rank that ends first
-            time.sleep(1.0)
         sys.exit((f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if global_batch %
                   world_size else f"error: {train_samples} training samples are fewer than --batch-size "
                   f"{global_batch}") if rank == 0 else 1)
@@ -308,14 +306,16 @@ def tell_the_launcher(line):   # torchrun shows the first failed worker's error 
 
 @contextlib.contextmanager
 def one_line_per_rank(checkpoint=None):
-    """A rank's own error (its SystemExit line, an unreadable image) is given to torchrun; a rank whose peer
-    failed says so a second later (so torchrun names the failed one first). A bug keeps its traceback."""
+    """A rank's own error (its SystemExit line, an unreadable image) goes to torchrun; a rank ending because of
+    another (exit 1, a lost peer) ends a second later, so torchrun names that one. A bug keeps its traceback."""
     try:
         yield
     except (SystemExit, UnreadableImage) as e:
         line = e.line() if isinstance(e, UnreadableImage) else e.code
         if isinstance(line, str):
             tell_the_launcher(line)
+        elif line == 1:   # another rank says why: this one ends a second later, so torchrun names that one
+            time.sleep(1.0)
         if dist.is_initialized():   # a group left alive into the interpreter's exit can abort it (SIGABRT)
             traceback.clear_frames(e.__traceback__)   # their locals go first: a DDP wrap freeing the group can hang
             with contextlib.suppress(Exception):
