@@ -83,10 +83,11 @@ REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica
 
 SENT = collections.Counter()   # the bytes each replica hands to the allreduce (metrics.json, the closing line)
 
-def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet):
-    """One step on the global batch; returns the summed loss and hits."""
+def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet, in_turn=False):
+    """One step on the global batch; returns the summed loss and hits. `in_turn`: the replicas one by one."""
     X_shards, y_shards = split_batch(X, y, devices)
-    losses, hits = zip(*REPLICA_THREADS.map(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
+    run = map if in_turn else REPLICA_THREADS.map
+    losses, hits = zip(*run(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
     with torch.no_grad():
         for i in range(len(replicas[0])):   # every parameter's gradient, summed over the replicas
             allreduce([W[i].grad for W in replicas])
@@ -121,7 +122,9 @@ def train(args, devices):
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
         for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
-            loss, hits = train_batch(X, y, replicas, velocities, devices, lr, args.batch_size, forward)
+            # a compiled forward is compiled in the first step: in one thread (torch 2.9 fails in two at once)
+            in_turn = args.compile and step == 0
+            loss, hits = train_batch(X, y, replicas, velocities, devices, lr, args.batch_size, forward, in_turn)
             totals[:2] += torch.stack([loss, hits.float()])
             totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1

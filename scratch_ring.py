@@ -162,12 +162,13 @@ def zero_step(replicas, velocity, lr, global_batch, rank, world_size, momentum=0
             p.grad.zero_()
 
 def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank, world_size,
-                forward=lenet, overlap=None, zero=False):
+                forward=lenet, overlap=None, zero=False, in_turn=False):
     """One step on this process's share of the global batch; returns summed loss and hits.
-    `velocities`: one list per replica, or with zero=True this process's one chunk."""
+    `velocities`: one list per replica, or with zero=True this process's one chunk. `in_turn`: replicas one by one."""
     X_shards, y_shards = split_batch(X, y, devices)
     # With --overlap, complete buckets are already being summed across processes during this.
-    losses, hits = zip(*REPLICA_THREADS.map(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
+    run = map if in_turn else REPLICA_THREADS.map
+    losses, hits = zip(*run(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
     with torch.no_grad():
         if zero:
             zero_step(replicas, velocities[0], lr, global_batch, rank, world_size)
@@ -222,8 +223,9 @@ def train(args, devices, rank, world_size):
         totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
         for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
+            in_turn = args.compile and step == 0   # compiled in one thread (torch 2.9 fails in two at once)
             loss, hits = train_batch(X, y, replicas, velocities, devices, lr, args.batch_size, rank, world_size,
-                                     forward, overlap, args.zero)
+                                     forward, overlap, args.zero, in_turn)
             totals[:2] += torch.stack([loss, hits.float()])
             totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
