@@ -170,10 +170,13 @@ def read_image(path):
 
 def check_batch(global_batch, world_size, train_samples, rank):
     """The per-rank batch; one the ranks cannot share, or more than the samples, refused by rank 0."""
-    if global_batch % world_size or train_samples < global_batch:
-        sys.exit((f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if global_batch %
-                  world_size else f"error: {train_samples} training samples are fewer than --batch-size "
-                  f"{global_batch}") if rank == 0 else 1)
+    problem = None
+    if global_batch % world_size:
+        problem = f"error: --batch-size {global_batch} does not divide by the {world_size} ranks"
+    elif train_samples < global_batch:
+        problem = f"error: {train_samples} training samples are fewer than --batch-size {global_batch}"
+    if problem:
+        sys.exit(problem if rank == 0 else 1)
     if train_samples % global_batch and rank == 0:
         print(f"note: {train_samples} training images make {train_samples // global_batch} global batches of "
               f"{global_batch} per epoch: {train_samples % global_batch} are left out of each epoch (other ones "
@@ -344,7 +347,8 @@ def check_together(problem, rank, world_size, same=None):
     told = [(problem, same)] * world_size
     if world_size > 1:
         dist.all_gather_object(told, (problem, same))
-    problems, other = [p for p, _ in told], next((r for r, (_, s) in enumerate(told) if s != told[0][1]), None)
+    problems = [p for p, _ in told]
+    other = next((r for r, (_, s) in enumerate(told) if s != told[0][1]), None)   # a rank whose `same` differs
     if not any(problems) and other is not None:
         problems[0] = (f"error: rank {other} sees other data than rank 0 ({told[other][1]}; rank 0: {told[0][1]}): "
                        f"every node's --data-dir must hold the same")
@@ -352,9 +356,10 @@ def check_together(problem, rank, world_size, same=None):
         first = next(r for r, p in enumerate(problems) if p)
         if rank != first and not problems[rank]:
             print(f"rank {rank}: stopping: rank {first} cannot go on (its line says why)", file=sys.stderr, flush=True)
-        alone = problems.count(problems[first]) < world_size
-        raise SystemExit(1 if rank != first else f"rank {rank} ({socket.gethostname()}): {problems[first]}"
-                         if alone else problems[first])
+        if rank != first:
+            raise SystemExit(1)
+        alone = problems.count(problems[first]) < world_size   # some ranks only: the line names this one
+        raise SystemExit(f"rank {rank} ({socket.gethostname()}): {problems[first]}" if alone else problems[first])
 
 # ---------------------------------------------------------------- a stop that all ranks agree on
 PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0 (a finished training), not 1 (something broke)
