@@ -370,8 +370,12 @@ class StopSignal:
     peer never returns to Python, where handlers run: a thread woken at once by the signal (set_wakeup_fd)
     ends it with its line unless a stop is agreed within 10 s plus three of the longest steps."""
     def __init__(self, checkpoint):
-        self.signal, self.pending, self.answer, self.longest, self.boundary = 0, None, None, 0.0, time.monotonic()
-        self.group, self.rank, self.wake = dist.new_group(backend="gloo"), dist.get_rank(), None
+        self.signal = 0   # the number of the signal this rank noted; 0: none
+        self.pending = None   # (the flag's allreduce started at the last boundary, its tensor)
+        self.answer = None   # what the ranks agreed at the last boundary: a signal's name or None
+        self.longest, self.boundary = 0.0, time.monotonic()   # the longest step so far, for the watchdog's grace
+        self.group = dist.new_group(backend="gloo")   # the flags' own group: CPU tensors whatever the backend
+        self.rank, self.wake = dist.get_rank(), None
         for name in ("SIGTERM", "SIGUSR1"):
             if hasattr(signal, name):   # Windows has no SIGUSR1
                 signal.signal(getattr(signal, name), self.note)
@@ -526,7 +530,8 @@ def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
     """metrics.json, model.pt, curves.png and the closing line (rank 0); sent_per_step: bytes by collective."""
     from matplotlib.figure import Figure   # drawn without pyplot: no display, no window, no global state
-    by, epochs, out = {k: round(v) for k, v in sent_per_step.items()}, metrics["epochs"], metrics["config"]["out"]
+    by = {k: round(v) for k, v in sent_per_step.items()}
+    epochs, out = metrics["epochs"], metrics["config"]["out"]
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,
                    samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
                    sent_bytes_per_step=sum(by.values()))
