@@ -81,13 +81,17 @@ def replica_step(X, y, W, forward):
 # for the whole run, so each keeps its OpenMP team.
 REPLICA_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
 
+def replica_steps(X_shards, y_shards, replicas, forward, in_turn=False):
+    """Every replica's step, each in its thread at once (`in_turn`: one after another); the losses and hits."""
+    run = map if in_turn else REPLICA_THREADS.map
+    return zip(*run(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
+
 SENT = collections.Counter()   # the bytes each replica hands to the allreduce (metrics.json, the closing line)
 
 def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=lenet, in_turn=False):
     """One step on the global batch; returns the summed loss and hits. `in_turn`: the replicas one by one."""
     X_shards, y_shards = split_batch(X, y, devices)
-    run = map if in_turn else REPLICA_THREADS.map
-    losses, hits = zip(*run(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
+    losses, hits = replica_steps(X_shards, y_shards, replicas, forward, in_turn)
     with torch.no_grad():
         for i in range(len(replicas[0])):   # every parameter's gradient, summed over the replicas
             allreduce([W[i].grad for W in replicas])

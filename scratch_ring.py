@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import common
-from scratch_lenet import (PARAM_NAMES, REPLICA_THREADS, add_lenet_flags, allreduce, get_params, init_params, lenet,
-                           replica_step, sgd, split_batch)
+from scratch_lenet import (PARAM_NAMES, add_lenet_flags, allreduce, get_params, init_params, lenet, replica_steps, sgd,
+                           split_batch)
 
 # ---------------------------------------------------------------- the ring allreduce, from send/recv
 def flatten(tensors):
@@ -167,8 +167,7 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank, wor
     `velocities`: one list per replica, or with zero=True this process's one chunk. `in_turn`: replicas one by one."""
     X_shards, y_shards = split_batch(X, y, devices)
     # With --overlap, complete buckets are already being summed across processes during this.
-    run = map if in_turn else REPLICA_THREADS.map
-    losses, hits = zip(*run(replica_step, X_shards, y_shards, replicas, [forward] * len(replicas)))
+    losses, hits = replica_steps(X_shards, y_shards, replicas, forward, in_turn)
     with torch.no_grad():
         if zero:
             zero_step(replicas, velocities[0], lr, global_batch, rank, world_size)
