@@ -190,10 +190,8 @@ def train(args):
             every = args.checkpoint_every and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DDP: every rank stops after this same step, the checkpoint written
-                del model, ddp_model   # DDP: the wrap goes first (see the end of train)
-                dist.destroy_process_group()   # DDP: leave, then exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+            if signalled:   # DDP: every rank stops after this same step, the checkpoint written; exit 75
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))   # main leaves the group
             if step == final_step:
                 stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
                 break

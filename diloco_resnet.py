@@ -243,9 +243,8 @@ def train(args):
             every = args.checkpoint_every and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written
-                dist.destroy_process_group()   # DiLoCo: leave, then exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written; exit 75
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))   # main leaves the group
             if step == final_step:
                 stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
                 break
