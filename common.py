@@ -1,7 +1,7 @@
 """What every script needs and is not its lesson: the device and the group, the data through DistributedSampler
 and DataLoader, accuracy, one line from every rank when one fails, a stop all ranks agree on, the outputs."""
-import argparse, atexit, contextlib, datetime, gzip, json, math, multiprocessing, os, shutil, signal, socket, struct
-import sys, threading, time, traceback, zlib
+import argparse, atexit, contextlib, datetime, gzip, hashlib, json, math, multiprocessing, os, shutil, signal
+import socket, struct, sys, threading, time, traceback, zlib
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  before any group exists: imported later, it kept gloo alive at exit
@@ -10,7 +10,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 # ---------------------------------------------------------------- the device and the group
 def pick_backend(cuda=None, platform=sys.platform):
-    # NCCL exists only for CUDA on Linux; gloo runs everywhere else (on Windows set USE_LIBUV=0).
+    # NCCL exists only for CUDA on Linux; gloo runs everywhere else (on Windows set USE_LIBUV=0), on CPU and
+    # CUDA tensors alike (--backend gloo lets several ranks share one GPU).
     cuda = torch.cuda.is_available() if cuda is None else cuda
     return "nccl" if cuda and platform.startswith("linux") else "gloo"
 
@@ -25,18 +26,28 @@ def default_to_one_process():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
-def pick_device(backend, gpus_each=1):
-    """GPU LOCAL_RANK x gpus_each with NCCL (checked: NCCL says "Duplicate GPU detected"), else the CPU's share."""
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if backend != "nccl":
+def cpu_share(processes):
+    """This process's share of the cores it may run on (os.sched_getaffinity exists on Linux only)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // processes)
+
+def pick_device(backend, gpus_each=1, cuda=None):
+    """A GPU when there are any: LOCAL_RANK x gpus_each, one process per GPU with NCCL (which refuses two on
+    one: "Duplicate GPU detected"), shared in turn with gloo; else the CPU, with this process's share of it."""
+    here, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        if backend == "nccl":
+            sys.exit(f"rank {os.environ.get('RANK', 0)}: error: --backend nccl needs GPUs, and this machine has none")
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // here))
+            torch.set_num_threads(cpu_share(here))
         return torch.device("cpu")
-    if here * gpus_each > torch.cuda.device_count():
+    if backend == "nccl" and here * gpus_each > torch.cuda.device_count():
         each = f" x {gpus_each} GPUs each" if gpus_each > 1 else ""
         sys.exit(f"rank {os.environ['RANK']}: error: {here} processes{each} on this node but "
-                 f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or use the CPU: CUDA_VISIBLE_DEVICES=")
-    torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"]) * gpus_each))
+                 f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or let them share: --backend gloo")
+    device = torch.device("cuda", local_rank * gpus_each % torch.cuda.device_count())
+    torch.cuda.set_device(device)
     return device
 
 def rendezvous_store(timeout_s):
@@ -123,7 +134,8 @@ class SeededImages(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):   # the caller's generator as it was
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + int(self.epoch)) * 1_000_000_007 + index)
+            key = f"{self.seed} {int(self.epoch)} {index}".encode()   # any --seed, to the 64 bits manual_seed takes
+            torch.default_generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big"))
             return self.dataset[index]
 
 def image_folders(data_dir, image_size, channels, augment, seed, train_samples, test_samples, rank=0, world_size=1):
@@ -263,11 +275,25 @@ def kill_workers():   # at exit: they ignore SIGTERM, which multiprocessing woul
     for child in multiprocessing.active_children():
         child.kill()
 
+class IndexTensors:
+    """Batches of indices as tensors on the device of the data they index, copied from pinned memory without
+    waiting (indexing with a list copies it to the GPU synchronously, once per tensor indexed)."""
+    def __init__(self, batches, device):
+        self.batches, self.device = batches, device
+    def __iter__(self):
+        for batch in self.batches:
+            index = torch.tensor(batch)
+            if self.device.type == "cuda":
+                index = index.pin_memory()
+            yield index.to(self.device, non_blocking=True)
+    def __len__(self):
+        return len(self.batches)
+
 def loader(dataset, batches, device, workers=0, **options):
     """Batches of indices: in memory, one indexing each; from disk, in workers forked by a fork server that has
     imported torchvision once (a rank forked while gloo's threads hold a lock can hang)."""
     if isinstance(dataset, TensorDataset):
-        return DataLoader(dataset, sampler=batches, batch_size=None)
+        return DataLoader(dataset, sampler=IndexTensors(batches, dataset.tensors[0].device), batch_size=None)
     context = None
     if workers:
         atexit.register(kill_workers)
@@ -291,14 +317,17 @@ def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
 
 @torch.no_grad()
 def accuracy(predict, batches, device, world_size):
-    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing."""
-    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing. Both counts live
+    on `device` (CUDA refuses to stack a CPU tensor with its own) as integers: exact at any size."""
+    totals = torch.zeros(2, device=device, dtype=torch.int64)
     for X, y in batches:
         y = y.to(device, non_blocking=True)
-        totals += torch.stack([(predict(X.to(device, non_blocking=True)).argmax(1) == y).sum(), torch.tensor(len(y))])
+        totals[0] += (predict(X.to(device, non_blocking=True)).argmax(1) == y).sum()
+        totals[1] += len(y)   # a Python number: added on the device, no copy
     if world_size > 1:
         dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
+    correct, count = totals.tolist()
+    return correct / count
 
 # ---------------------------------------------------------------- a rank fails: one line from every rank
 def tell_the_launcher(line):   # torchrun shows the first failed worker's error file; `record` skips SystemExit
@@ -445,9 +474,9 @@ def save_atomically(write, path):
     os.replace(tmp, path)
     sync(os.path.dirname(os.path.abspath(path)))
 
+# what does not change the batches or the steps (as the world size does not)
 MAY_DIFFER = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "workers", "init_timeout", "data_dir",
-              "test_samples", "compile", "channels_last", "accum_steps")   # what does not change the batches or the
-                                                                            # steps (as the world size does not)
+              "test_samples", "compile", "channels_last", "accum_steps", "backend")
 
 def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
     """A resume goes on exactly where the checkpoint was: other training flags are refused, in one line."""
@@ -509,6 +538,13 @@ class Timer:
 
 def nbytes(*tensors):   # what a collective is handed
     return sum(t.numel() * t.element_size() for t in tensors)
+
+def every_rank(value, world_size):
+    """[rank 0's value, rank 1's, ...]: each rank's own (a device, its replicas' devices)."""
+    values = [value] * world_size
+    if world_size > 1:
+        dist.all_gather_object(values, value)
+    return values
 
 def new_metrics(script, args, devices, backend, world_size, test_samples):
     """The record of a run (metrics.json); `devices` names one device per replica."""

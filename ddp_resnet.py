@@ -80,10 +80,10 @@ def counting(hook, sent, world_size):
     return hook_and_count
 
 # ---------------------------------------------------------------- one optimizer step
-def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
-    """Forward and backward in accum_steps micro-batches, then one optimizer step: the summed loss and hits."""
+def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
+    """Forward and backward in accum_steps micro-batches, then one optimizer step; adds the summed loss, the hits
+    and the samples to `totals` (on the device: no sync with the GPU)."""
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, hits = 0.0, 0
     for i in range(accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of accum_steps takes them
         X_micro, y_micro = X[i::accum_steps], y[i::accum_steps]
         # DDP: no gradient allreduce but on the last micro-step; it sums them all at once
@@ -94,16 +94,16 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp):
             with warnings.catch_warnings():   # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
                 warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
                 (loss / accum_steps).backward()   # the mean over the whole rank batch
-        loss_sum = loss_sum + loss.detach().float() * len(y_micro)
-        hits = hits + (logits.argmax(1) == y_micro).sum()
+        totals[0] += loss.detach() * len(y_micro)
+        totals[1] += (logits.argmax(1) == y_micro).sum()
+        totals[2] += len(y_micro)   # a Python number: no copy to the device
     optimizer.step()
-    return loss_sum, hits
 
 # ---------------------------------------------------------------- training
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
+    backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DDP: one GPU per process
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
@@ -132,7 +132,8 @@ def train(args):
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples (the linear scaling rule)
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
                                              steps_per_epoch * args.epochs)
-    metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
+    devices = common.every_rank(str(device), world_size)   # each rank's own
+    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, master) if args.resume else None
@@ -152,6 +153,7 @@ def train(args):
                     "seconds": seconds}
             save_checkpoint(args.checkpoint, net, optimizer, scheduler, here, flags, metrics["epochs"])
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+        dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
     stop = common.StopSignal(args.checkpoint)   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step
 
     # DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward.
@@ -174,16 +176,14 @@ def train(args):
         sampler.set_epoch(epoch, start=done)   # DDP: a new order each epoch, the same on every rank
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
-        totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
         net.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            loss_sum, hits = train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True),
-                                        args.accum_steps, args.amp)
+            train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True), args.accum_steps, args.amp,
+                       totals)
             scheduler.step()   # the learning rate of the next step
-            totals[:2] += torch.stack([loss_sum, hits.float()])
-            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
             step += 1
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
             signalled = stop.agreed(now=epoch_end) if step < final_step else None   # DDP: one answer on all ranks
@@ -203,7 +203,7 @@ def train(args):
         test_acc = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device), 0.0)
+            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     stop.close()
@@ -244,6 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
+                   "else gloo; gloo on GPUs lets several ranks share one")
     p.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
                    help="compress the gradients DDP sends: to 16 bits, or PowerSGD's low-rank factors")
     p.add_argument("--powersgd-rank", type=common.positive_int, default=4, help="PowerSGD: the rank of the factors")

@@ -37,7 +37,7 @@ def train_loader(X, y, rank_batch, rank, world_size, seed):
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = common.pick_backend()   # DDP: NCCL between GPUs (on Linux), gloo between CPUs
+    backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DDP: one GPU per process
     rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)   # before any connection
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
@@ -54,13 +54,13 @@ def train(args):
     # the bytes of every gradient, which DDP allreduces once per step (none in a group of one)
     sent = {f"all_reduce ({world_size} ranks)": common.nbytes(*model.parameters())} if world_size > 1 else {}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    metrics = common.new_metrics(__file__, args, [device] * world_size, dist.get_backend(),
+    metrics = common.new_metrics(__file__, args, common.every_rank(str(device), world_size), backend,
                                  world_size, len(y_test))
     step, start = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         loader.sampler.set_epoch(epoch)   # DDP: a new order each epoch, the same on every rank
         timer = common.Timer(device)
-        totals = torch.zeros(3, device=device)   # summed loss, hits, samples
+        totals = torch.zeros(3, device=device, dtype=torch.float64)   # summed loss, hits, samples
         for X, y in loader:
             X, y = X.to(device), y.to(device)
             logits = model(X)
@@ -68,8 +68,9 @@ def train(args):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            totals[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum().float()])
-            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
+            totals[0] += loss.detach() * len(y)
+            totals[1] += (logits.argmax(1) == y).sum()
+            totals[2] += len(y)   # a Python number: no copy to the device (a GPU sync) per step
             step += 1
             if step == args.max_steps:
                 break
@@ -98,6 +99,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--world-size", type=common.positive_int,
                    help="processes to start when run without torchrun (default: one per GPU, else 2)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
+                   "else gloo; gloo on GPUs lets several ranks share one")
     p.add_argument("--out", default="runs/ddp_toy", help="folder for metrics.json, curves.png and model.pt")
     p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     return p.parse_args(argv)

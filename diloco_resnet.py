@@ -121,6 +121,7 @@ def save_checkpoint(path, net, optimizer, scheduler, outer, position, flags, his
         for name in os.listdir(os.path.dirname(os.path.abspath(path))):
             if name.startswith(prefix) and name != os.path.basename(folder):
                 shutil.rmtree(os.path.join(os.path.dirname(os.path.abspath(path)), name), ignore_errors=True)
+    dist.barrier()   # DiLoCo: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
 
 def load_checkpoint(path, net, optimizer, scheduler, outer, rank, world_size):
     """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then
@@ -160,11 +161,25 @@ def load_checkpoint(path, net, optimizer, scheduler, outer, rank, world_size):
         outer.load_state_dict(state[0]["outer"])
     return state[0]
 
+# ---------------------------------------------------------------- one inner step
+def train_step(net, optimizer, X, y, amp, totals):
+    """This rank's step on its replica, alone: nothing is sent. Adds the summed loss, the hits and the samples
+    to `totals` (on the device: no sync with the GPU)."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
+        logits = net(X)
+        loss = F.cross_entropy(logits, y)
+    loss.backward()   # this rank's gradient only
+    optimizer.step()   # the inner step, of this rank's replica
+    totals[0] += loss.detach() * len(y)
+    totals[1] += (logits.argmax(1) == y).sum()
+    totals[2] += len(y)   # a Python number: no copy to the device
+
 # ---------------------------------------------------------------- training
 def train(args):
     # DiLoCo: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), gloo between CPUs
+    backend = args.backend or common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DiLoCo: one GPU per process
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DiLoCo: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
@@ -184,7 +199,8 @@ def train(args):
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
                                              steps_per_epoch * args.epochs)   # inner, per rank
     outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
-    metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
+    devices = common.every_rank(str(device), world_size)   # each rank's own
+    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = None
@@ -220,21 +236,13 @@ def train(args):
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
         sampler.set_epoch(epoch, start=done)   # a new order each epoch, the same on every rank
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
-        totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
         net.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            y = y.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
-                logits = net(X)
-                loss = F.cross_entropy(logits, y)
-            loss.backward()   # this rank's gradient only: nothing is sent
-            optimizer.step()   # the inner step, of this rank's replica
+            train_step(net, optimizer, X, y.to(device, non_blocking=True), args.amp, totals)
             scheduler.step()
-            totals[:2] += torch.stack([loss.detach().float() * len(y), (logits.argmax(1) == y).sum().float()])
-            totals[2] += len(y)
             step += 1
             if step % args.local_steps == 0 or step == last_step:
                 outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
@@ -254,7 +262,7 @@ def train(args):
         net.train()
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device), 0.0)
+            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     stop.close()
@@ -291,6 +299,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
+                   "else gloo; gloo on GPUs lets several ranks share one")
     p.add_argument("--local-steps", type=common.positive_int, default=10,
                    help="H: inner steps each rank takes alone between two syncs (1: every step, as DDP)")
     p.add_argument("--outer-lr", type=common.positive_float, default=0.7,

@@ -15,14 +15,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 import common
 
-def train_step(model, optimizer, X, y, amp):
+class Autocast(nn.Module):
+    """`net` run in bfloat16 mixed precision (`amp`). DP: DataParallel runs each replica in a thread of its
+    own, and autocast's state is per thread: opened around DataParallel, the replicas' threads would open
+    it again with float16, CUDA's default. Opened in the forward, it holds in every thread."""
+    def __init__(self, net, amp):
+        super().__init__()
+        self.net, self.amp = net, amp
+    def forward(self, X):
+        with torch.autocast(X.device.type, torch.bfloat16, enabled=self.amp):
+            return self.net(X)
+
+def train_step(model, optimizer, X, y, totals):
+    """One step on the whole batch; adds the summed loss, the hits and the samples to `totals`."""
     optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
-        logits = model(X)   # DP: scatter X, replicate the model, run in parallel, gather logits
-        loss = F.cross_entropy(logits, y)
+    logits = model(X).float()   # DP: scatter X, replicate the model, run in parallel, gather logits
+    loss = F.cross_entropy(logits, y)
     loss.backward()        # DP: each replica's gradients are summed into the original module
     optimizer.step()
-    return loss.detach().float() * len(y), (logits.argmax(1) == y).sum()
+    totals[0] += loss.detach() * len(y)
+    totals[1] += (logits.argmax(1) == y).sum()
+    totals[2] += len(y)   # a Python number: no copy to the device
 
 def train(args):
     common.check_out_dir(args.out)
@@ -39,7 +52,7 @@ def train(args):
 
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
     net = common.resnet("fashion_resnet18", 10, args.seed).to(device, memory_format=memory_format)
-    model = nn.DataParallel(net, device_ids=gpus or None)   # DP: the whole change
+    model = nn.DataParallel(Autocast(net, args.amp), device_ids=gpus or None)   # DP: the whole change
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples, as in ddp_resnet.py
     optimizer, _ = common.sgd_recipe(net, lr, 5e-4, 0, 1)   # ddp_resnet.py's optimizer, at a constant rate
     metrics = common.new_metrics(__file__, args, gpus or [device], "DataParallel", 1, len(test_set))
@@ -52,12 +65,10 @@ def train(args):
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
         timer = common.Timer(device)
-        totals = torch.zeros(3, device=device)   # summed loss, hits, samples
+        totals = torch.zeros(3, device=device, dtype=torch.float64)   # summed loss, hits, samples
         net.train()
         for X, y in train_batches:
-            loss_sum, hits = train_step(model, optimizer, X.contiguous(memory_format=memory_format), y, args.amp)
-            totals[:2] += torch.stack([loss_sum, hits.float()])
-            totals[2] += len(y)   # a Python number: no host-to-device copy (a GPU sync) per step
+            train_step(model, optimizer, X.contiguous(memory_format=memory_format), y, totals)
             step += 1
             if step == args.max_steps:
                 break

@@ -18,7 +18,7 @@ With --hsdp the shards are spread over one node's processes only, and the nodes 
 all-reduce their shards' gradients: the sharded traffic stays on the fast links inside a node.
 Lines that exist only because of sharding are tagged `# FSDP:`.
 """
-import argparse, math, os, re, shutil, time
+import argparse, math, os, re, shutil, sys, time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -173,12 +173,28 @@ def shard(net, mesh, amp):
         fully_shard(stage, mesh=mesh, mp_policy=precision)   # FSDP: each stage
     return fully_shard(net, mesh=mesh, mp_policy=precision)   # FSDP: the rest (stem, last layer)
 
+# ---------------------------------------------------------------- one optimizer step
+def train_step(model, optimizer, X, y, totals):
+    """Forward, backward and the update of this rank's shard; adds the summed loss, the hits and the samples
+    to `totals` (on the device: no sync with the GPU)."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(X)                        # FSDP: all-gather each stage's parameters in turn
+    loss = F.cross_entropy(logits.float(), y)
+    loss.backward()                          # FSDP: gather again, then reduce-scatter the gradients
+    optimizer.step()                         # FSDP: each rank updates its own shard
+    totals[0] += loss.detach() * len(y)
+    totals[1] += (logits.argmax(1) == y).sum()
+    totals[2] += len(y)   # a Python number: no copy to the device
+
 # ---------------------------------------------------------------- training
 def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), gloo between CPUs
+    backend = args.backend or common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # FSDP: one GPU per process
+    if backend == "gloo" and device.type == "cuda":
+        sys.exit(f"rank {rank}: error: FSDP2 over gloo crashes with CUDA tensors (SIGSEGV): use --backend nccl "
+                 f"(one process per GPU), or the CPU: CUDA_VISIBLE_DEVICES=")
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # FSDP: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # FSDP: rank 0 alone prints and writes
@@ -192,13 +208,16 @@ def train(args):
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
-    net = common.resnet(arch, classes, args.seed).to(device, memory_format=memory_format)
+    # FSDP: the weights stay contiguous (fully_shard refuses others): channels_last inputs make the
+    # convolutions, and the activations after them, NHWC all the same
+    net = common.resnet(arch, classes, args.seed).to(device)
     mesh = device_mesh(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.hsdp)
     model = shard(net, mesh, args.amp)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
     optimizer, scheduler = common.sgd_recipe(model, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
                                              steps_per_epoch * args.epochs)
-    metrics = common.new_metrics(__file__, args, [device] * world_size, backend, world_size, len(test_set))
+    devices = common.every_rank(str(device), world_size)   # each rank's own
+    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     saved = load_checkpoint(args.checkpoint, model, optimizer, scheduler, rank, world_size) if args.resume else None
@@ -230,20 +249,13 @@ def train(args):
         sampler.set_epoch(epoch, start=done)   # FSDP: a new order each epoch, the same on every rank
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
-        totals = torch.tensor(position["totals"] if done and master else [0.0] * 3, device=device)
+        totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
         model.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            y = y.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            logits = model(X)                        # FSDP: all-gather each stage's parameters in turn
-            loss = F.cross_entropy(logits.float(), y)
-            loss.backward()                          # FSDP: gather again, then reduce-scatter the gradients
-            optimizer.step()                         # FSDP: each rank updates its own shard
+            train_step(model, optimizer, X, y.to(device, non_blocking=True), totals)
             scheduler.step()
-            totals[:2] += torch.stack([loss.detach() * len(y), (logits.argmax(1) == y).sum().float()])
-            totals[2] += len(y)
             step += 1
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
             signalled = stop.agreed(now=epoch_end) if step < final_step else None   # FSDP: one answer on all ranks
@@ -263,7 +275,7 @@ def train(args):
         test_acc = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device), 0.0)
+            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     stop.close()
@@ -304,6 +316,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
+                   "else gloo; gloo on GPUs lets several ranks share one")
     p.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's --nproc_per_node), "
                    "replicate across nodes: only an all-reduce crosses them")
     p.add_argument("--out", default="runs/fsdp_resnet", help="folder for metrics.json, curves.png and model.pt")

@@ -470,7 +470,7 @@ def schedule_at(scheduler, step):   # FT: the learning rate of `step`, for a mem
 def train(args):
     host, port = args.join
     secret = the_secret(host)
-    device = common.pick_device("gloo")   # FT: gloo between CPUs; see the README on GPUs
+    device = common.pick_device("gloo", cuda=False)   # FT: gloo between CPUs; see the README on GPUs
     if os.path.isdir(os.path.join(args.data_dir, "train")):
         raise SystemExit("error: ft_ddp_resnet.py trains on Fashion-MNIST held in memory; for an image folder, use "
                          "ddp_resnet.py")

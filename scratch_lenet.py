@@ -123,7 +123,7 @@ def train(args, devices):
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         sampler.set_epoch(epoch)   # a new order each epoch
-        totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
+        totals = torch.zeros(3, device=devices[0], dtype=torch.float64)   # summed loss, hits, samples
         for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
             # a compiled forward is compiled in the first step: in one thread (torch 2.9 fails in two at once)
@@ -200,7 +200,7 @@ def main(argv=None):
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.devices))
+            torch.set_num_threads(common.cpu_share(args.devices))
         keep_freed_memory()
     return train(args, devices)
 

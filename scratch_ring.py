@@ -13,7 +13,7 @@ The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet
 file adds exists only because there are several processes, and lines of the training that exist
 only for that reason are tagged `# RING:`.
 """
-import argparse, collections, math, os, threading, time
+import argparse, collections, math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ class OverlappedAllreduce:
     process, a hook sums it in memory; a complete bucket goes to a communication thread, which runs
     the ring allreduce on it while backward goes on with the earlier layers. Buckets are sent in
     one fixed order, the same on every process, as the ring requires."""
-    def __init__(self, replicas, rank, world_size, bucket_bytes):
+    def __init__(self, replicas, rank, world_size, bucket_bytes, device):
         self.replicas, self.rank, self.world_size = replicas, rank, world_size
         self.buckets, size = [[]], 0
         for i in reversed(range(len(replicas[0]))):   # backward reaches the last layer first
@@ -105,7 +105,9 @@ class OverlappedAllreduce:
             self.buckets[-1].append(i)
             size += replicas[0][i].numel() * replicas[0][i].element_size()
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
-        self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
+        # a new thread's current GPU is GPU 0: NCCL's send/recv from it could wait on the wrong GPU, or hang
+        on_gpu = dict(initializer=torch.cuda.set_device, initargs=(device,)) if device.type == "cuda" else {}
+        self.comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm", **on_gpu)
         self.lock = threading.Lock()
         self._reset()
         for W in replicas:
@@ -197,10 +199,13 @@ def train(args, devices, rank, world_size):
     else:           # every replica keeps momentum for every parameter
         velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
         held = sum(velocities, [])
-    overlap = OverlappedAllreduce(replicas, rank, world_size, args.bucket_kb * 1024) if args.overlap else None
+    overlap = None
+    if args.overlap:
+        overlap = OverlappedAllreduce(replicas, rank, world_size, args.bucket_kb * 1024, devices[0])
     forward = torch.compile(lenet) if args.compile else lenet
     backend = f"{dist.get_backend()} send/recv"
-    metrics = common.new_metrics(__file__, args, devices * world_size, backend, world_size, len(test_set))
+    every = sum(common.every_rank([str(d) for d in devices], world_size), [])   # each process's replicas
+    metrics = common.new_metrics(__file__, args, every, backend, world_size, len(test_set))
     metrics["optimizer_state_bytes"] = sum(v.numel() * v.element_size() for v in held)   # this process's
     if master:
         mode = (", gradients sent during backward in %d buckets" % len(overlap.buckets) if overlap else
@@ -219,7 +224,7 @@ def train(args, devices, rank, world_size):
     for epoch in range(1, args.epochs + 1):
         timer = common.Timer(devices[0])
         sampler.set_epoch(epoch)   # RING: the same new order on every process
-        totals = torch.zeros(3, device=devices[0])   # summed loss, hits, samples: no sync per step
+        totals = torch.zeros(3, device=devices[0], dtype=torch.float64)   # summed loss, hits, samples
         for X, y in train_batches:
             lr = args.lr * (1 - step / total_steps)   # linear decay to zero: a calmer finish
             in_turn = args.compile and step == 0   # compiled in one thread (torch 2.9 fails in two at once)
@@ -258,6 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--zero", action="store_true",
                    help="each process updates 1/W of the parameters and keeps 1/W of the optimizer state (ZeRO)")
     add_lenet_flags(p)
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
+                   "else gloo; gloo on GPUs lets several processes share one")
     p.add_argument("--out", default="runs/scratch_ring", help="folder for metrics.json, curves.png and model.pt")
     p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
@@ -274,11 +281,14 @@ def main(argv=None):
     common.default_to_one_process()   # plain `python scratch_ring.py`: a group of one
     # RING: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = common.pick_backend()   # RING: NCCL between GPUs (on Linux), gloo between CPUs
+    backend = args.backend or common.pick_backend()   # RING: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend, gpus_each=args.devices)   # RING: K = --devices GPUs each
+    if backend == "gloo" and device.type == "cuda":   # gloo's TCP transport reads a CUDA pointer as host memory
+        sys.exit(f"rank {rank}: error: gloo cannot send CUDA tensors point to point (\"Bad address\"): use "
+                 f"--backend nccl (one process per GPU), or the CPU: CUDA_VISIBLE_DEVICES=")
     dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # RING: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
-    devices = ([torch.device("cuda", device.index + i) for i in range(args.devices)]
+    devices = ([torch.device("cuda", (device.index + i) % torch.cuda.device_count()) for i in range(args.devices)]
                if device.type == "cuda" else [device] * args.devices)
     with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
         try:

@@ -5,10 +5,12 @@ tests/ (faults, own data, several machines, slow links, the README), whose helpe
 import ast, json, os, re, shutil, subprocess, sys, threading
 import pytest
 import torch
+import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 import common
 import ddp_resnet
 import ddp_toy
+import diloco_resnet
 import dp_resnet
 import fsdp_resnet
 import scratch_lenet
@@ -96,6 +98,109 @@ def test_global_batches_do_not_depend_on_world_size(world_size):
     assert [sorted(sum((r[k] for r in ranks), [])) for k in range(len(one))] == [sorted(b) for b in one]
     assert rank_batches(1000, 48, 0, world_size, epoch=1, start=5) == ranks[0][5:]
     assert rank_batches(1000, 48, 0, 1, epoch=2) != one
+
+
+# ---------------------------------------------------------------- every tensor on the model's device
+# On a CPU-only machine a tensor made without device= lands where the model is anyway. The meta device refuses
+# CPU tensors beside its own (torch.stack, torch.cat), as CUDA does; nothing can be read back from it, so each
+# call below must get as far as that, and no further.
+META = torch.device("meta")
+READ_BACK = "cannot be called on meta tensors|Cannot copy out of meta tensor"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_evaluation_counts_on_the_models_device(world_size):
+    """The batches come as an image folder's workers give them (on the CPU), the model is on meta."""
+    net = common.resnet("fashion_resnet18", 10, 0).to(META).eval()
+    batches = [(torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)))] * 2
+    with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
+        common.accuracy(net, batches, META, 1)
+    toy = ddp_toy.ToyMLP().to(META)
+    with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
+        common.accuracy(toy, common.test_loader(torch.utils.data.TensorDataset(*ddp_toy.toy_data(9, 2)), 0, world_size,
+                                                META), META, 1)
+
+
+def test_accuracy_counts_exactly_past_float32s_integers():
+    """2^24 + 1 test images, one of them wrong: float32 would count 2^24 of 2^24 (its next integer is 2^24 + 2)."""
+    n = 2**24 + 1
+    X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
+    X[:, 0], y[0] = 1, 1
+    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == (n - 1) / n
+
+
+def test_in_memory_batches_are_indexed_on_the_datas_device():
+    """The training set lives on the GPU: its batches' indices are made there too (a list would be copied
+    to the GPU synchronously, once per tensor indexed)."""
+    data = torch.utils.data.TensorDataset(torch.empty(100, 1, 28, 28, device=META),
+                                          torch.empty(100, dtype=torch.long, device=META))
+    loader, sampler = common.train_loader(data, 16, 0, 0, 1, META)
+    sampler.set_epoch(1)
+    assert next(iter(loader.sampler)).device == META
+    X, y = next(iter(loader))
+    assert X.device == META and X.shape == (16, 1, 28, 28) and y.shape == (16,)
+
+
+def meta_batch(n=8):
+    return torch.empty(n, 1, 28, 28, device=META), torch.empty(n, dtype=torch.long, device=META).random_(10)
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet", "dp_resnet", "fsdp_resnet", "diloco_resnet"])
+def test_each_resnet_step_and_its_sums_stay_on_the_models_device(script, monkeypatch):
+    """The step's forward, backward, update and the epoch's sums, with the model and batch on meta. autocast
+    knows no meta device type: here it opens the CPU's, whose kernels meta has too."""
+    autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k: autocast("cpu", *a, **k))
+    net = common.resnet("fashion_resnet18", 10, 0).to(META)
+    optimizer, _ = common.sgd_recipe(net, 0.1, 5e-4, 0, 10)
+    (X, y), totals = meta_batch(), torch.zeros(3, device=META, dtype=torch.float64)
+    for amp in (False, True):
+        if script == "ddp_resnet":
+            ddp_resnet.train_step(net, net, optimizer, X, y, 1, amp, totals)
+        elif script == "dp_resnet":
+            dp_resnet.train_step(torch.nn.DataParallel(dp_resnet.Autocast(net, amp)), optimizer, X, y, totals)
+        elif script == "fsdp_resnet":
+            fsdp_resnet.train_step(net, optimizer, X, y, totals)
+        else:
+            diloco_resnet.train_step(net, optimizer, X, y, amp, totals)
+    assert totals.device == META and all(p.device == META for p in net.parameters())
+    with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
+        totals.tolist()
+
+
+@pytest.mark.parametrize("mode", ["replicas", "--overlap", "--zero"])
+def test_scratch_steps_stay_on_the_replicas_devices(mode):
+    """Two replicas on meta: the split, the replicas' steps in their threads, the sums in memory, the update
+    (and one process's ring, its overlap thread, ZeRO's chunks); the loss and hits on the first replica's device."""
+    X, y = meta_batch()
+    replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), META, torch.channels_last) for _ in range(2)]
+    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
+    if mode == "replicas":
+        loss, hits = scratch_lenet.train_batch(X, y, replicas, velocities, [META] * 2, 0.1, 8)
+    elif mode == "--zero":
+        flat = torch.zeros(sum(p.numel() for p in replicas[0]), device=META)
+        loss, hits = scratch_ring.train_batch(X, y, replicas, [flat], [META] * 2, 0.1, 8, 0, 1, zero=True)
+    else:
+        overlap = scratch_ring.OverlappedAllreduce(replicas, 0, 1, 1024, META)
+        loss, hits = scratch_ring.train_batch(X, y, replicas, velocities, [META] * 2, 0.1, 8, 0, 1, overlap=overlap)
+    totals = torch.zeros(3, device=META, dtype=torch.float64)
+    totals[:2] += torch.stack([loss, hits.float()])   # the training loop's sum
+    assert all(p.device == META for W in replicas for p in W)
+
+
+def test_dataparallel_amp_is_bfloat16_in_every_replica_thread():
+    """DataParallel runs each replica in a thread of its own and opens autocast there without a dtype: a
+    thread reads the device's default, CUDA's float16. dp_resnet's wrapped forward opens bfloat16 itself."""
+    net, dtypes = torch.nn.Linear(4, 3), {}
+    def replica_thread(amp):
+        torch.set_autocast_dtype("cpu", torch.float16)   # what such a thread reads on CUDA
+        with torch.autocast("cpu"):   # as DataParallel's parallel_apply opens it
+            dtypes[amp] = dp_resnet.Autocast(net, amp)(torch.randn(2, 4)).dtype
+    for amp in (True, False):
+        thread = threading.Thread(target=replica_thread, args=(amp,))
+        thread.start()
+        thread.join()
+    assert dtypes == {True: torch.bfloat16, False: torch.float32}
 
 
 # ---------------------------------------------------------------- scratch_lenet.py: replicas in one process
@@ -289,18 +394,46 @@ def test_ddp_toy_calls_set_epoch_every_epoch(monkeypatch, tmp_path):
 
 def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch):
     """The scripts' own set-up refuses before init_process_group: a CUDA machine with too few GPUs."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("the group was formed"))
-    for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
-        monkeypatch.setenv(name, value)
+    pretend_gpus(monkeypatch, 1, 2)
     with pytest.raises(SystemExit) as exit_info:
         ddp_toy.main([])
     assert "2 processes on this node but 1 GPUs" in str(exit_info.value.code)
+    assert "let them share: --backend gloo" in str(exit_info.value.code)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     with pytest.raises(SystemExit) as exit_info:
         scratch_ring.main(["--devices", "2"])
     assert "2 processes x 2 GPUs each on this node but 3 GPUs" in str(exit_info.value.code)
+
+
+def pretend_gpus(monkeypatch, count, ranks_here):
+    """A CUDA machine with `count` GPUs as the scripts' set-up sees it, and this process one of `ranks_here`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("the group was formed"))
+    for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(ranks_here),
+                            LOCAL_WORLD_SIZE=str(ranks_here)).items():
+        monkeypatch.setenv(name, value)
+
+
+def test_gloo_shares_a_gpu_where_it_can_and_says_where_it_cannot(monkeypatch):
+    """--backend gloo puts two ranks on one GPU (NCCL refuses that); scratch_ring's send/recv and FSDP2 do not
+    run over gloo with CUDA tensors: each says so before the group forms."""
+    pretend_gpus(monkeypatch, 1, 2)
+    assert common.pick_device("gloo") == torch.device("cuda", 0)
+    assert common.pick_device("gloo", cuda=False) == torch.device("cpu")
+    for script, says in ((scratch_ring, "gloo cannot send CUDA tensors point to point"),
+                         (fsdp_resnet, "FSDP2 over gloo crashes with CUDA tensors")):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--backend", "gloo"])
+        assert says in str(exit_info.value.code) and "--backend nccl" in str(exit_info.value.code)
+
+
+def test_nccl_without_gpus_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("the group was formed"))
+    with pytest.raises(SystemExit) as exit_info:
+        common.pick_device("nccl", cuda=False)
+    assert "--backend nccl needs GPUs, and this machine has none" in str(exit_info.value.code)
 
 
 # ---------------------------------------------------------------- ddp_resnet.py and dp_resnet.py

@@ -62,7 +62,7 @@ def lenet(args, rank, world_size, results):
 
     W, V = replicas()
     W2, V2 = replicas()   # the overlap's own: its hooks stay on the replicas they were put on
-    overlap = scratch_ring.OverlappedAllreduce(W2, rank, world_size, args.bucket_kb * 1024)
+    overlap = scratch_ring.OverlappedAllreduce(W2, rank, world_size, args.bucket_kb * 1024, devices[0])
     step = lambda W, V, **kw: scratch_ring.train_batch(X, y, W, V, devices, 0.01, args.batch_size, **kw)
     variants = {
         "compute": lambda: step(W, V, rank=0, world_size=1),   # summed in memory, no network
@@ -126,7 +126,7 @@ def main():
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    common.pick_device("gloo")   # this process's share of the cores
+    common.pick_device("gloo", cuda=False)   # this process's share of the cores
     dist.init_process_group("gloo", store=common.rendezvous_store(120), rank=rank, world_size=world_size)
     results = {"world_size": world_size}
     (lenet if args.model == "lenet" else resnet)(args, rank, world_size, results)

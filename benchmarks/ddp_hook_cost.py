@@ -29,11 +29,12 @@ def worker(args):
     if "hook" in args.variant:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    totals = torch.zeros(3, dtype=torch.float64)
     for step in range(2 + args.steps):
         if step == 2:
             dist.barrier()
             start = time.perf_counter()
-        ddp_resnet.train_step(model, model, optimizer, X, y, 1, False)
+        ddp_resnet.train_step(model, model, optimizer, X, y, 1, False, totals)
     seconds = time.perf_counter() - start
     if rank == 0:
         print(json.dumps({"seconds_per_step": seconds / args.steps}))

@@ -44,6 +44,24 @@ def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_sam
     assert [e["samples"] for e in metrics["epochs"]] == [96, 96]   # the interrupted epoch counted once
 
 
+@pytest.mark.parametrize("script", ["ddp_resnet", "diloco_resnet"])
+def test_no_rank_leaves_a_stop_before_the_checkpoint_is_on_disk(script, tmp_path):
+    """Rank 0 writes the stop's checkpoint (3 s late here, as on a slow disk); rank 1 leaves only once it is
+    on disk. Had rank 1 left at once, torchrun would stop rank 0 and kill it 30 s later, mid-write."""
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                "tests/torchrun_checks.py", "slow-checkpoint", script, "--out", str(tmp_path)] +
+                               PREEMPTIBLE, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+        os.kill(sorted(children_of(job.pid))[1], signal.SIGTERM)
+        job.wait(timeout=120)
+    text = read(log)
+    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert stopped_at > 2 and f"rank 1 leaves: checkpoint of step {stopped_at} on disk" in text, text[-3000:]
+
+
 def test_sigterm_in_an_epochs_last_step_stops_before_its_evaluation(tmp_path):
     """The stop is agreed at the epoch's end, before its evaluation (which can outlast the watchdog's
     grace): SIGTERM during step 6 of 6 (each ~0.8 s) stops with a checkpoint at step 6, status 75, and

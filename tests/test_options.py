@@ -1,12 +1,13 @@
 """The scripts' options beyond their approach, and runs longer than a proof needs: torch.compile,
 bf16 autocast, channels-last, eight ranks, the README's first command to its accuracy, accuracy at
-three ranks, and no process-group thread left at exit. Run by `bash run_all.sh test`."""
-import json, os
+three ranks, no process-group thread left at exit, the CPU path without Linux-only calls, and the GPU check
+on a machine without GPUs. Run by `bash run_all.sh test`."""
+import json, os, subprocess, sys
 import pytest
 import torch
 import common
 import scratch_lenet
-from helpers import (DATA, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
+from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
                      resnet_reference, resnet_step, run)
 
 
@@ -51,6 +52,16 @@ def test_fsdp_amp_runs_on_cpu_and_steps_the_fp32_way(tmp_path):
     reference = resnet_reference(2, steps=1, lr=RESNET_LR * 8 / 256, batch_size=8)
     step_fp32, step_amp = resnet_step(reference), resnet_step(load_model(tmp_path))
     assert torch.nn.functional.cosine_similarity(step_fp32, step_amp, dim=0) > 0.9
+
+
+def test_fsdp_channels_last_keeps_the_weights_contiguous_and_steps_the_same(tmp_path):
+    """fully_shard refuses weights in channels_last ("FSDP does not support non-contiguous parameters"):
+    --channels-last puts the inputs in it, and the convolutions follow; the step is the NCHW step."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py", "--channels-last",
+                  "--out", str(tmp_path)] + RESNET + ["--max-steps", "1"])
+    assert_ok(result)
+    step, reference = resnet_step(load_model(tmp_path)), resnet_step(resnet_reference(2, steps=1))
+    assert (step - reference).norm() / reference.norm() < 1e-4
 
 
 def test_ddp_toy_runs_on_eight_ranks(tmp_path):
@@ -98,3 +109,37 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
         return [t for t in names if "gloo" in t or "tcpstore" in t]
     assert group_threads("threads before destroy:"), result.stdout   # the names this check looks for
     assert group_threads("threads left:") == [], result.stdout
+
+
+def test_the_gpu_check_on_a_machine_without_gpus_says_so_in_one_line():
+    result = run(["python", "benchmarks/gpu_check.py"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(result)
+    assert result.stdout.splitlines() == [
+        "gpu_check: no GPU here, nothing to check (bash run_all.sh test proves the CPU path)"]
+
+
+def test_the_cpu_path_runs_where_there_is_no_sched_getaffinity(tmp_path):
+    """macOS and Windows have no os.sched_getaffinity: the CPU path counts the cores another way."""
+    hide = "import os; del os.sched_getaffinity; "
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}   # else nothing counts the cores
+    for code, data in (("import scratch_lenet; scratch_lenet.main(sys.argv[1:])", ["--data-dir", DATA]),
+                       ("import common, ddp_toy; common.default_to_one_process(); ddp_toy.main(sys.argv[1:])", [])):
+        result = subprocess.run([sys.executable, "-c", hide + "import sys; " + code, "--epochs", "1",
+                                 "--train-samples", "256", "--test-samples", "50", "--max-steps", "2",
+                                 "--batch-size", "32", "--out", str(tmp_path)] + data,
+                                cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+        assert_ok(result)
+        assert "done: 2 steps" in result.stdout
+
+
+def test_any_seed_seeds_the_augmentation():
+    """manual_seed takes 64 bits; seeds from (seed, epoch, index) past them once crashed every worker
+    (--seed 18447 and up). Any --seed works, each gives its own draws, the same each time."""
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, index):
+            return torch.rand(3)
+    draws = {seed: common.SeededImages(Draws(), seed)[2] for seed in (0, 18_447, 2**70, -5)}
+    assert len({tuple(d.tolist()) for d in draws.values()}) == 4
+    assert torch.equal(common.SeededImages(Draws(), 2**70)[2], draws[2**70])

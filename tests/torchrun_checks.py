@@ -1,8 +1,8 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
 CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT
-WORK_SECONDS), from the repo root."""
-import gc, os, sys, time
+WORK_SECONDS, slow-checkpoint SCRIPT ARGS...), from the repo root."""
+import atexit, gc, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ def overlap_order():
         ring(tensors, *args)
     scratch_ring.ring_allreduce = recorded_ring
     replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), "cpu")]
-    overlap = scratch_ring.OverlappedAllreduce(replicas, rank, world_size, bucket_bytes=1024)
+    overlap = scratch_ring.OverlappedAllreduce(replicas, rank, world_size, 1024, torch.device("cpu"))
     for p in replicas[0]:   # registered after the class's own hook, so it runs after it
         p.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
     X, y = torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))
@@ -143,7 +143,26 @@ def slow_barrier(rendezvous_timeout, work_seconds):
 
 
 
+def slow_checkpoint(script, *argv):
+    """Run this rank of `script`, each checkpoint file written 3 s late (on a slow disk); at exit, print
+    the step of the checkpoint on disk."""
+    write = common.save_atomically
+    def slowly(write_file, path):
+        if path.endswith("checkpoint.pt"):
+            time.sleep(3)
+        write(write_file, path)
+    common.save_atomically = slowly
+    module = __import__(script)
+    checkpoint = module.parse_args(list(argv)).checkpoint
+    def report():
+        step = torch.load(checkpoint, weights_only=False)["step"] if os.path.exists(checkpoint) else None
+        print(f"rank {os.environ['RANK']} leaves: checkpoint of step {step} on disk", flush=True)
+    atexit.register(report)
+    module.main(list(argv))
+
+
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
-              "threads-left": threads_left, "slow-barrier": slow_barrier, "fsdp-sent": fsdp_sent}
+              "threads-left": threads_left, "slow-barrier": slow_barrier, "fsdp-sent": fsdp_sent,
+              "slow-checkpoint": slow_checkpoint}
     checks[sys.argv[1]](*sys.argv[2:])
