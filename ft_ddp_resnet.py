@@ -16,7 +16,7 @@ brings it back once the coordinator is served again with the same --run-id). No
 DistributedDataParallel: a failed allreduce leaves its reducer in a state it does not recover from.
 Lines that exist only because members may come and go are tagged `# FT:`.
 """
-import argparse, contextlib, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
+import argparse, contextlib, copy, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
 import signal, socket, sys, threading, time, zlib
 import torch
 import torch.distributed as dist
@@ -61,24 +61,51 @@ def proof(secret, challenge):   # FT: only a holder of the secret computes it
     return hmac.new(secret, challenge.encode(), hashlib.sha256).hexdigest()
 
 # ---------------------------------------------------------------- the coordinator: membership, quorums, commits
-def serve(args):
-    """The membership: one connection per member (a member that dies closes it), quorums, commits, a
-    beat to every member each second. Ends on SIGTERM, or once the run is over and its members left."""
-    host, port = args.serve
-    secret, run_id = the_secret(host), args.run_id or secrets.token_hex(4)
-    store = dist.TCPStore(host, args.store_port or port + 1, is_master=True,   # FT: the groups meet here
-                          wait_for_workers=False)
-    listener = socket.create_server((host, port))
-    listener.setblocking(False)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"coordinator: run {run_id}: members join at {host}:{port}, their groups meet at {host}:{store.port}; "
-          f"to continue this run after a restart, serve it with --run-id {run_id}", flush=True)
-    conns, next_id, last_beat = {}, 0, 0.0
-    run = {"flags": None, "gen": 0, "members": [], "retry": False, "step": 0, "failures": [], "finished": None}
+class Coordinator:
+    """The membership: one connection per member (a member that dies closes it), quorums, commits, a beat to
+    every member each second. Each turn of serve() reads what came, then decides: who is alive, whether the
+    step is committed, who takes part in the next. It ends on SIGTERM, or once the run is over."""
+    def __init__(self, args):
+        host, port = args.serve
+        self.secret, self.run_id = the_secret(host), args.run_id or secrets.token_hex(4)
+        self.store = dist.TCPStore(host, args.store_port or port + 1, is_master=True,   # FT: the groups meet here
+                                   wait_for_workers=False)
+        self.listener = socket.create_server((host, port))
+        self.listener.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.conns = {}   # id: a connection's state ("joined", "want": its pending request, "lost": why it goes)
+        self.next_id, self.last_beat = 0, 0.0
+        self.run = {"flags": None, "gen": 0, "members": [], "retry": False, "step": 0, "failures": [],
+                    "finished": None}
+        print(f"coordinator: run {self.run_id}: members join at {host}:{port}, their groups meet at {host}:"
+              f"{self.store.port}; to continue it after a restart: --run-id {self.run_id}", flush=True)
 
-    def send(conn, message):   # never blocks: a connection that cannot take a small message is lost
+    def serve(self):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while True:
+            for key, _ in self.selector.select(timeout=0.05):
+                if key.fileobj is self.listener:
+                    self.accept()
+                else:
+                    self.read(key.data)
+            now = time.monotonic()
+            timeout = self.run["flags"]["member_timeout"] if self.run["flags"] else 30.0
+            self.check_connections(now, timeout)
+            live = self.drop_stalled(now, timeout)
+            self.commit_or_not(live, now)
+            self.form_quorum(live)
+            for cid, conn in list(self.conns.items()):
+                if "lost" in conn:
+                    line = None
+                    if conn.get("joined") or conn["lost"].startswith("refused"):
+                        line = f"{self.name(conn)} {conn['lost']}"
+                    self.close(cid, line)
+            if self.over(now, timeout):
+                return
+
+    # ---- connections
+    def send(self, conn, message):   # never blocks: a connection that cannot take a small message is lost
         data = (json.dumps(message) + "\n").encode()
         try:
             if conn["sock"].send(data) != len(data):
@@ -86,175 +113,193 @@ def serve(args):
         except OSError:
             conn.setdefault("lost", "its connection failed")
 
-    def close(cid, line=None):
-        conn = conns.pop(cid)
-        selector.unregister(conn["sock"])
+    def close(self, cid, line=None):
+        conn = self.conns.pop(cid)
+        self.selector.unregister(conn["sock"])
         conn["sock"].close()
         if line:
             print(f"coordinator: {line}", flush=True)
 
-    def name(conn):
+    def name(self, conn):
         return f"member {conn['id']}" if conn.get("joined") else f"the connection from {conn['peer']}"
 
-    def join(conn, message):
+    def accept(self):
+        with contextlib.suppress(BlockingIOError):
+            sock, peer = self.listener.accept()
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once
+            conn = {"id": self.next_id, "sock": sock, "peer": f"{peer[0]}:{peer[1]}", "buffer": b"",
+                    "opened": time.monotonic(), "challenge": secrets.token_hex(16)}
+            self.conns[self.next_id] = conn
+            self.selector.register(sock, selectors.EVENT_READ, self.next_id)
+            self.next_id += 1
+            unproven = [c for c in self.conns.values() if not c.get("joined") and "lost" not in c]
+            if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
+                unproven[0]["lost"] = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
+            self.send(conn, {"challenge": conn["challenge"]})
+
+    def read(self, cid):
+        conn = self.conns[cid]
+        try:
+            data = conn["sock"].recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            line = None
+            if conn.get("joined") and self.run["finished"]:
+                line = f"member {cid} finished"
+            elif conn.get("joined"):
+                line = f"member {cid} is gone (its connection closed)"
+            self.close(cid, line)
+            return
+        conn["buffer"] += data
+        try:   # FT: any bytes from anyone end at most their own connection
+            while b"\n" in conn["buffer"] and "lost" not in conn:
+                line, conn["buffer"] = conn["buffer"].split(b"\n", 1)
+                self.handle(conn, parse(line))
+            if len(conn["buffer"]) > MAX_LINE:
+                raise ValueError(f"a line longer than {MAX_LINE} bytes")
+        except ValueError as e:
+            conn["lost"] = f"refused: {e}"
+
+    def handle(self, conn, message):
+        op = message["op"]
+        if not conn.get("joined"):
+            if op != "join":
+                raise ValueError(f"{op} before proving FT_SECRET")
+            self.join(conn, message)
+            return
+        if op == "join":
+            raise ValueError("a second join")
+        if not conn.get("dropped"):
+            conn.update(want=message, since=time.monotonic())
+        elif self.run["finished"] is not None:   # it hung past --member-timeout and woke up: it is told, and let go
+            self.send(conn, {"over": f"the run ended while this member hung: its members finished step "
+                                     f"{self.run['step']}"})
+            conn["lost"] = "was told the run is over"
+        else:
+            self.send(conn, {"dropped": conn["dropped"]})
+            conn["lost"] = "was told it had been dropped"
+
+    def join(self, conn, message):
         """A connection that proves it knows the secret joins, if its flags and its checkpoint's run agree."""
-        if not hmac.compare_digest(message["proof"], proof(secret, conn["challenge"])):
+        if not hmac.compare_digest(message["proof"], proof(self.secret, conn["challenge"])):
             raise ValueError("it does not know FT_SECRET")
         flags = message["flags"]
         if not all(isinstance(flags.get(k), (int, float)) for k in ("member_timeout", "min_members", "final_step")):
             raise ValueError("join with unusable flags")
-        if not any(c.get("joined") and not c.get("dropped") for c in conns.values()):
-            run["flags"] = flags   # FT: the run's flags are those of its live members (or who comes back)
-        differ = [f"{k} {flags.get(k)} here, {v} in the run" for k, v in run["flags"].items()
+        if not any(c.get("joined") and not c.get("dropped") for c in self.conns.values()):
+            self.run["flags"] = flags   # FT: the run's flags are those of its live members (or who comes back)
+        differ = [f"{k} {flags.get(k)} here, {v} in the run" for k, v in self.run["flags"].items()
                   if flags.get(k) != v and k != "min_members"]   # (that one counts for the first quorum only)
-        answer = {"proof": proof(secret, message["challenge"])}   # FT: the coordinator proves it too
-        if run["finished"] is not None:   # a member after the end (even during the last step): nothing to train
-            answer["over"] = f"the run is over: its members finished step {run['step']}"
-        elif message["run"] not in (None, run_id):
+        answer = {"proof": proof(self.secret, message["challenge"])}   # FT: the coordinator proves it too
+        if self.run["finished"] is not None:   # a member after the end (even during the last step): nothing to do
+            answer["over"] = f"the run is over: its members finished step {self.run['step']}"
+        elif message["run"] not in (None, self.run_id):
             answer["refused"] = (f"error: its checkpoint is of run {message['run']}, and this coordinator serves run "
-                                 f"{run_id}: start it without --resume, or serve that run (--run-id {message['run']})")
+                                 f"{self.run_id}: start it without --resume, or serve that run (--run-id "
+                                 f"{message['run']})")
         elif differ:
             answer["refused"] = (f"error: this member's training flags differ from the run's ({'; '.join(differ)}): "
                                  f"start it with the run's flags")
         else:
             conn.update(joined=True, want=None, since=time.monotonic())
             print(f"coordinator: member {conn['id']} joined from {conn['peer']} at step {message['step']}", flush=True)
-            answer.update(id=conn["id"], run=run_id)
-        send(conn, answer)
+            answer.update(id=conn["id"], run=self.run_id)
+        self.send(conn, answer)
         if not conn.get("joined"):
             conn["lost"] = "was answered and let go"
 
-    def handle(cid, message):
-        conn, op = conns[cid], message["op"]
-        if not conn.get("joined"):
-            if op != "join":
-                raise ValueError(f"{op} before proving FT_SECRET")
-            return join(conn, message)
-        if op == "join":
-            raise ValueError("a second join")
-        if conn.get("dropped"):   # it hung past --member-timeout and woke up: it is told, and let go
-            over = run["finished"] is not None
-            send(conn, {"over": f"the run ended while this member hung: its members finished step {run['step']}"}
-                 if over else {"dropped": conn["dropped"]})
-            conn["lost"] = "was told the run is over" if over else "was told it had been dropped"
-        else:
-            conn.update(want=message, since=time.monotonic())
-
-    def drop(conn, why):   # FT: alive or not, it holds the others up: they go on without it
-        conn.update(dropped=why, want=None)
-        print(f"coordinator: {name(conn)} dropped: {why}", flush=True)
-
-    while True:
-        for key, _ in selector.select(timeout=0.05):
-            if key.fileobj is listener:
-                with contextlib.suppress(BlockingIOError):
-                    sock, peer = listener.accept()
-                    sock.setblocking(False)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once
-                    conns[next_id] = conn = {"id": next_id, "sock": sock, "peer": f"{peer[0]}:{peer[1]}", "buffer": b"",
-                                             "opened": time.monotonic(), "challenge": secrets.token_hex(16)}
-                    selector.register(sock, selectors.EVENT_READ, next_id)
-                    next_id += 1
-                    unproven = [c for c in conns.values() if not c.get("joined") and "lost" not in c]
-                    if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
-                        unproven[0]["lost"] = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
-                    send(conn, {"challenge": conn["challenge"]})
-                continue
-            cid, conn = key.data, conns[key.data]
-            try:
-                data = conn["sock"].recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                close(cid, None if not conn.get("joined") else f"member {cid} finished" if run["finished"] else
-                      f"member {cid} is gone (its connection closed)")
-                continue
-            conn["buffer"] += data
-            try:   # FT: any bytes from anyone end at most their own connection
-                while b"\n" in conn["buffer"] and "lost" not in conn:
-                    line, conn["buffer"] = conn["buffer"].split(b"\n", 1)
-                    handle(cid, parse(line))
-                if len(conn["buffer"]) > MAX_LINE:
-                    raise ValueError(f"a line longer than {MAX_LINE} bytes")
-            except ValueError as e:
-                conn["lost"] = f"refused: {e}"
-        now = time.monotonic()
-        for conn in conns.values():   # FT: a connection that does not prove itself soon is closed
+    # ---- the decisions of a turn
+    def check_connections(self, now, timeout):   # FT: who does not prove itself soon is closed; all hear a beat
+        for conn in self.conns.values():
             if not conn.get("joined") and now - conn["opened"] > PROVE_WITHIN:
                 conn.setdefault("lost", f"refused: it did not prove it knows FT_SECRET within {PROVE_WITHIN:g} s")
-        timeout = run["flags"]["member_timeout"] if run["flags"] else 30.0
-        if now - last_beat > min(1.0, timeout / 4):   # FT: each member hears from the coordinator: it is alive
-            last_beat = now
-            for conn in conns.values():
+        if now - self.last_beat > min(1.0, timeout / 4):   # the coordinator is alive
+            self.last_beat = now
+            for conn in self.conns.values():
                 if conn.get("joined"):
-                    send(conn, {"beat": 1})
-        live = {i: c for i, c in conns.items() if c.get("joined") and not c.get("dropped") and "lost" not in c}
-        # FT: liveness is progress. A member that neither voted nor asked for a quorum within --member-timeout
-        # of a member that waits is dropped; so is a member of the generation that has not voted when a peer's
-        # collective timed out waiting for it.
-        # (A peer whose collective failed with it votes within milliseconds: 0.25 s keeps it from being dropped.)
+                    self.send(conn, {"beat": 1})
+
+    def drop_stalled(self, now, timeout):
+        """The live members. FT: liveness is progress. Dropped: a member that neither voted nor asked for a quorum
+        within --member-timeout of one that waits; one of the generation that has not voted when a peer's
+        collective timed out waiting for it (whose collective failed with it votes within 0.25 s)."""
+        live = {i: c for i, c in self.conns.items() if c.get("joined") and not c.get("dropped") and "lost" not in c}
         waits = [c["since"] for c in live.values() if c["want"]]
         timed_out = any(c["want"]["op"] == "vote" and not c["want"]["ok"] and c["want"]["waited"] >= 0.9 * timeout
                         and now - c["since"] > 0.25 for c in live.values() if c["want"])
         for i, conn in list(live.items()):
+            why = None
             if not conn["want"] and waits and now - max(min(waits), conn["since"]) > timeout:
-                drop(conn, f"no vote and no request for {timeout:g} s while the others waited")
-            elif not conn["want"] and timed_out and i in run["members"]:
-                drop(conn, f"its peers' collective waited {timeout:g} s for it")
-            if conn.get("dropped"):
+                why = f"no vote and no request for {timeout:g} s while the others waited"
+            elif not conn["want"] and timed_out and i in self.run["members"]:
+                why = f"its peers' collective waited {timeout:g} s for it"
+            if why:   # FT: alive or not, it holds the others up: they go on without it
+                conn.update(dropped=why, want=None)
+                print(f"coordinator: {self.name(conn)} dropped: {why}", flush=True)
                 del live[i]
-        # The commit: every member of the generation voted yes, and none is gone; else no one applies the step.
+        return live
+
+    def commit_or_not(self, live, now):   # FT: all of the generation voted yes, none gone: committed; else no one
+        run = self.run
         voters = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "vote" and i in run["members"]}
-        if voters and all(i in voters or i not in live for i in run["members"]):
-            steps = {c["want"]["step"] for c in voters.values()}
-            commit = len(voters) == len(run["members"]) and all(c["want"]["ok"] for c in voters.values())
-            commit = commit and len(steps) == 1
-            run["retry"] = not commit   # a member whose collective failed has left its group
-            errors = [f"member {i}: {c['want']['error']}" for i, c in voters.items() if not c["want"]["ok"]]
-            same = run["failures"] and run["failures"][-1][:2] == (min(steps), run["members"])
-            run["failures"] = [] if commit else run["failures"] * bool(same) + [(min(steps), run["members"], errors)]
-            if commit:
-                run["step"] = max(run["step"], min(steps) + 1)
-                if run["step"] >= run["flags"]["final_step"]:
-                    run["finished"] = now
-            for conn in voters.values():   # a vote with "next" also asks for the next step's quorum
-                vote = conn["want"]
-                conn.update(want={"op": "ready", "step": vote["step"] + commit} if vote["next"] else None, since=now)
-                send(conn, {"commit": commit})
-        if len(run["failures"]) >= 3:   # FT: the same step failing with the same members: said, not retried for ever
+        if not voters or not all(i in voters or i not in live for i in run["members"]):
+            return
+        steps = {c["want"]["step"] for c in voters.values()}
+        commit = len(voters) == len(run["members"]) and all(c["want"]["ok"] for c in voters.values())
+        commit = commit and len(steps) == 1
+        run["retry"] = not commit   # a member whose collective failed has left its group
+        errors = [f"member {i}: {c['want']['error']}" for i, c in voters.items() if not c["want"]["ok"]]
+        same = run["failures"] and run["failures"][-1][:2] == (min(steps), run["members"])
+        run["failures"] = [] if commit else run["failures"] * bool(same) + [(min(steps), run["members"], errors)]
+        if commit:
+            run["step"] = max(run["step"], min(steps) + 1)
+            if run["step"] >= run["flags"]["final_step"]:
+                run["finished"] = now
+        for conn in voters.values():   # a vote with "next" also asks for the next step's quorum
+            vote = conn["want"]
+            conn.update(want={"op": "ready", "step": vote["step"] + commit} if vote["next"] else None, since=now)
+            self.send(conn, {"commit": commit})
+        if len(run["failures"]) >= 3:   # FT: said, not retried for ever
             step, members, errors = run["failures"][-1]
             line = (f"error: step {step} failed {len(run['failures'])} times in a row with members {members} "
                     f"({'; '.join(errors) or 'no error given'}): the run ends here; mend that, then --resume")
             print(f"coordinator: {line}", flush=True)
             for conn in live.values():
-                send(conn, {"failed": line})
+                self.send(conn, {"failed": line})
             raise SystemExit(1)
-        # The quorum: every live member asks for one (at least --min-members for the first).
+
+    def form_quorum(self, live):   # when every live member asks (at least --min-members for the first)
+        run = self.run
         ready = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "ready"}
         needed = run["flags"]["min_members"] if run["gen"] == 0 and run["flags"] else 1
         if ready and run["finished"] is not None:   # FT: joined during the last step: told, not trained from 0
             for conn in ready.values():
-                send(conn, {"over": f"the run is over: its members finished step {run['step']}"})
+                self.send(conn, {"over": f"the run is over: its members finished step {run['step']}"})
                 conn["lost"] = "was told the run is over"
-        elif ready and len(ready) == len(live) and len(ready) >= needed:
-            ids = sorted(ready)
-            if ids != run["members"] or run["retry"]:   # a new membership, or the same after a failed step
-                run.update(gen=run["gen"] + 1, members=ids, retry=False)
-            steps = [ready[i]["want"]["step"] for i in ids]
-            behind = min(steps) < max(steps)   # FT: then the member furthest ahead sends its state
-            for rank, i in enumerate(ids):   # FT: each member is told what it needs, not the membership
-                ready[i]["want"] = None
-                send(ready[i], {"gen": run["gen"], "rank": rank, "world": len(ids), "step": max(steps),
-                                "src": steps.index(max(steps)) if behind else None})
-        for cid, conn in list(conns.items()):
-            if "lost" in conn:
-                close(cid, f"{name(conn)} {conn['lost']}" if conn.get("joined") or conn["lost"].startswith("refused")
-                      else None)
-        if not any(c.get("joined") and not c.get("dropped") for c in conns.values()):
-            run["flags"] = None if run["finished"] is None else run["flags"]   # FT: no member left: no binding flags
-            if run["finished"] is not None and (not conns or now - run["finished"] > 10 * timeout):
-                print(f"coordinator: the run is over (step {run['step']})", flush=True)
-                return
+        if not ready or run["finished"] is not None or len(ready) < max(len(live), needed):
+            return
+        ids = sorted(ready)
+        if ids != run["members"] or run["retry"]:   # a new membership, or the same after a failed step
+            run.update(gen=run["gen"] + 1, members=ids, retry=False)
+        steps = [ready[i]["want"]["step"] for i in ids]
+        behind = min(steps) < max(steps)   # FT: then the member furthest ahead sends its state
+        for rank, i in enumerate(ids):   # FT: each member is told what it needs, not the membership
+            ready[i]["want"] = None
+            self.send(ready[i], {"gen": run["gen"], "rank": rank, "world": len(ids), "step": max(steps),
+                                 "src": steps.index(max(steps)) if behind else None})
+
+    def over(self, now, timeout):   # the run finished and its members left (or 10 x --member-timeout passed)
+        if any(c.get("joined") and not c.get("dropped") for c in self.conns.values()):
+            return False
+        if self.run["finished"] is None:
+            self.run["flags"] = None   # FT: no member left: no binding flags
+            return False
+        if self.conns and now - self.run["finished"] <= 10 * timeout:
+            return False
+        print(f"coordinator: the run is over (step {self.run['step']})", flush=True)
+        return True
 
 
 # ---------------------------------------------------------------- a member's line to the coordinator
@@ -264,7 +309,7 @@ class CoordinatorLost(Exception):
 class Stopped(Exception):   # a SIGTERM came while this member waited for the coordinator
     pass
 
-class Coordinator:
+class CoordinatorLink:
     """A member's connection to the coordinator, which beats each second: silent for --member-timeout, it is lost."""
     def __init__(self, address, secret, hello, timeout, init_timeout, stop):
         host, port = address
@@ -467,186 +512,248 @@ def schedule_at(scheduler, step):   # FT: the learning rate of `step`, for a mem
     scheduler.step()
 
 # ---------------------------------------------------------------- a member
-def train(args):
-    host, port = args.join
-    secret = the_secret(host)
-    device = common.pick_device("gloo", cuda=False)   # FT: gloo between CPUs; see the README on GPUs
-    if os.path.isdir(os.path.join(args.data_dir, "train")):
-        raise SystemExit("error: ft_ddp_resnet.py trains on Fashion-MNIST held in memory; for an image folder, use "
-                         "ddp_resnet.py")
-    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    X_train, y_train = train_set.tensors
-    if args.batch_size % args.micro_batch:
-        raise SystemExit(f"error: --micro-batch {args.micro_batch} does not divide --batch-size {args.batch_size}")
-    if len(y_train) < args.batch_size:
-        raise SystemExit(f"error: {len(y_train)} training images are fewer than one global batch of {args.batch_size}")
-    net = common.resnet("fashion_resnet18", 10, args.seed).to(device)
-    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
-    steps_per_epoch, count = len(y_train) // args.batch_size, args.batch_size // args.micro_batch
-    optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
-                                             steps_per_epoch * args.epochs)
-    for p in net.parameters():   # a momentum of zeros steps as none does; every member then holds the same tensors
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    grads, message = gradients_of(net), message_buffer(net, getattr(torch, args.sums))
-    final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
-    metrics = common.new_metrics(__file__, args, [device], "gloo, members that come and go", 1, len(test_set))
-    progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
-    # FT: all that makes the training, compared at join, the first step's weights too; the same torch and threads
-    # give the same sums
-    flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "final_step": final_step, "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "data": f"labels crc {zlib.crc32(y_train.numpy().tobytes())}",
-             "weights": f"crc {zlib.crc32(torch.cat([p.detach().flatten() for p in net.parameters()]).numpy())}"}
-    state = load_checkpoint(args.checkpoint, net, optimizer, scheduler) if args.resume else None
-    if state:   # a resume as the other scripts do it: the same training flags, or refused in one line
-        common.resume_check(state["flags"], {**vars(args), "data": flags["data"]}, args.checkpoint, True,
+class Member:
+    """A member: it joins; for each step it asks for the quorum, makes the generation's group when the membership
+    changed, computes its share, votes, applies what is committed. Stopped, or without its coordinator, it
+    leaves with a checkpoint of the last committed step (exit 75)."""
+    def __init__(self, args):
+        self.args, self.address = args, args.join
+        self.secret = the_secret(args.join[0])
+        self.device = common.pick_device("gloo", cuda=False)   # FT: gloo between CPUs; see the README on GPUs
+        if os.path.isdir(os.path.join(args.data_dir, "train")):
+            raise SystemExit("error: ft_ddp_resnet.py trains on Fashion-MNIST; for an image folder, use ddp_resnet.py")
+        train_set, self.test_set, _ = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+        self.X_train, self.y_train = train_set.tensors
+        if args.batch_size % args.micro_batch:
+            raise SystemExit(f"error: --micro-batch {args.micro_batch} does not divide --batch-size {args.batch_size}")
+        if len(self.y_train) < args.batch_size:
+            raise SystemExit(f"error: {len(self.y_train)} training images are fewer than one global batch of "
+                             f"{args.batch_size}")
+        self.net = common.resnet("resnet18", 10, args.seed, channels=1, image_size=28).to(self.device)
+        lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
+        self.steps_per_epoch = len(self.y_train) // args.batch_size
+        self.count = args.batch_size // args.micro_batch   # micro-batches in a global batch
+        warmup, steps = round(args.warmup_epochs * self.steps_per_epoch), self.steps_per_epoch * args.epochs
+        self.optimizer, self.scheduler = common.sgd_recipe(self.net, lr, args.weight_decay, warmup, steps)
+        for p in self.net.parameters():   # a momentum of zeros steps as none does: every member holds the same tensors
+            self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        self.grads, self.message = gradients_of(self.net), message_buffer(self.net, getattr(torch, args.sums))
+        self.final_step = min(args.max_steps or math.inf, self.steps_per_epoch * args.epochs)
+        self.metrics = common.new_metrics(__file__, args, [self.device], "gloo, members that come and go", 1,
+                                          len(self.test_set))
+        self.progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
+        # FT: all that makes the training, compared at join, the first step's weights too; the same torch and
+        # threads give the same sums
+        weights = torch.cat([p.detach().flatten() for p in self.net.parameters()])
+        self.flags = {**{k: getattr(args, k) for k in RUN_FLAGS}, "final_step": self.final_step,
+                      "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "data": f"labels crc {zlib.crc32(self.y_train.numpy().tobytes())}",
+                      "weights": f"crc {zlib.crc32(weights.numpy())}"}
+        self.kept = []   # the running statistics as committed, during a step
+        self.stop = {"signal": None, "at": 0.0}
+        self.making_since = None   # FT: when this member began making its group, while it does
+        self.gen, self.generations, self.steps_here = None, 0, 0
+        self.saved = load_checkpoint(args.checkpoint, self.net, self.optimizer, self.scheduler) if args.resume else None
+
+    def resume(self):   # as the other scripts do it: the same training flags, or refused; False: nothing to train
+        args = self.args
+        common.resume_check(self.saved["flags"], {**vars(args), "data": self.flags["data"]}, args.checkpoint, True,
                             may_differ=("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
                                         "init_timeout", "data_dir", "test_samples", "min_members", "member_timeout",
                                         "store_port", "run_id"))
-        progress = {k: state[k] for k in progress}
-        print(f"resumed from {args.checkpoint} (run {state['run']}): step {progress['step']}", flush=True)
-        if progress["step"] >= final_step:
-            print(f"nothing to train: {args.checkpoint} is at step {progress['step']}", flush=True)
-            return net
-    common.check_out_dir(args.out)
-    stop, kept = {"signal": None, "at": 0.0}, []   # kept: the running statistics as committed, during a step
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM", at=time.monotonic()))
+        self.progress = {k: self.saved[k] for k in self.progress}
+        print(f"resumed from {args.checkpoint} (run {self.saved['run']}): step {self.progress['step']}", flush=True)
+        if self.progress["step"] >= self.final_step:
+            print(f"nothing to train: {args.checkpoint} is at step {self.progress['step']}", flush=True)
+            return False
+        return True
 
-    def uncommitted():   # FT: the step is not applied: BatchNorm's running statistics go back to the committed ones
-        for b, committed in zip(buffers_of(net), kept):
+    # ---- the coordinator, and leaving
+    def join(self):   # FT: join the run; the coordinator gives this member its id, and the store its groups use
+        host, port = self.address
+        hello = {"flags": self.flags, "step": self.progress["step"], "run": self.saved["run"] if self.saved else None}
+        self.link = CoordinatorLink(self.address, self.secret, hello, self.args.member_timeout, self.args.init_timeout,
+                                    self.stop)
+        self.store = dist.TCPStore(host, self.args.store_port or port + 1, is_master=False,   # FT: the groups meet here
+                                   timeout=datetime.timedelta(seconds=self.args.member_timeout))
+        print(f"member {self.link.id}: joined run {self.link.run} at {host}:{port}, at step {self.progress['step']}",
+              flush=True)
+
+    def uncommitted(self):   # FT: the step is not applied: BatchNorm's running statistics back to the committed ones
+        for b, committed in zip(buffers_of(self.net), self.kept):
             b.copy_(committed)
-        kept.clear()
+        self.kept.clear()
 
-    def checkpoint():   # this member's own, for restarts of the whole job: where it is, of which run, with which flags
-        uncommitted()
-        saved = {**progress, "run": coordinator.run, "flags": {**vars(args), "data": flags["data"]},
-                 "model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-        common.save_atomically(lambda tmp: torch.save(saved, tmp), args.checkpoint)
+    def state(self):   # a copy of all a restart of the whole job needs: where it is, of which run, with which flags
+        self.uncommitted()
+        return copy.deepcopy({**self.progress, "run": self.link.run, "model": self.net.state_dict(),
+                              "flags": {**vars(self.args), "data": self.flags["data"]},
+                              "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
 
-    def join():   # FT: join the run; the coordinator gives this member its id and the store
-        hello = {"flags": flags, "step": progress["step"], "run": state["run"] if state else None}
-        joined = Coordinator((host, port), secret, hello, args.member_timeout, args.init_timeout, stop)
-        store = dist.TCPStore(host, args.store_port or port + 1, is_master=False,   # FT: where this run's groups meet
-                              timeout=datetime.timedelta(seconds=args.member_timeout))
-        print(f"member {joined.id}: joined run {joined.run} at {host}:{port}, at step {progress['step']}", flush=True)
-        return joined, store
+    def checkpoint(self, state=None):   # this member's own, of the last committed step
+        saved = state or self.state()
+        common.save_atomically(lambda tmp: torch.save(saved, tmp), self.args.checkpoint)
 
-    def leave(line, status, end=sys.exit):   # FT: this member stops; the others go on without it
-        checkpoint()
-        print(f"member {coordinator.id}: {line}; checkpoint of step {progress['step']} written to {args.checkpoint}; "
-              f"exit status {status}", file=sys.stderr if status != common.PREEMPTED else sys.stdout, flush=True)
-        end(status)
+    def leave(self, line, status):   # FT: this member stops; the others go on without it
+        self.checkpoint()
+        self.said(line, status)
+        sys.exit(status)
 
-    def watchdog():   # FT: making a group waits on the coordinator's store, without a bound if it hangs (SIGSTOP);
-        while True:   # a peer stopped mid-handshake holds gloo's connect ~5x the timeout, then fails: it is voted out
+    def said(self, line, status):
+        print(f"member {self.link.id}: {line}; checkpoint of step {self.progress['step']} written to "
+              f"{self.args.checkpoint}; exit status {status}", file=sys.stdout if status == common.PREEMPTED else
+              sys.stderr, flush=True)
+
+    def watchdog(self):
+        """FT: making a group waits on the store, unbounded if the coordinator hangs (SIGSTOP); a peer stopped
+        mid-handshake holds gloo's connect ~5x the timeout. Past 6x this member ends, with the state copied
+        before the group was begun: this thread never touches the model."""
+        while True:
             time.sleep(0.25)
-            if making["since"] and time.monotonic() - making["since"] > 6 * args.member_timeout:
-                leave(f"lost the coordinator at {host}:{port} (its store did not answer for "
-                      f"{6 * args.member_timeout:g} s); once it is back, --resume goes on", common.PREEMPTED, os._exit)
+            since = self.making_since
+            if since and time.monotonic() - since > 6 * self.args.member_timeout:
+                self.checkpoint(self.before_group)
+                self.said(f"lost the coordinator at {self.address[0]}:{self.address[1]} (its store did not answer "
+                          f"for {6 * self.args.member_timeout:g} s); once it is back, --resume goes on",
+                          common.PREEMPTED)
+                os._exit(common.PREEMPTED)
 
-    def talk(message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member here
+    def talk(self, message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member
         try:
-            return coordinator.ask(message) if message else coordinator.receive()
+            return self.link.ask(message) if message else self.link.receive()
         except Stopped:
-            leave(f"stopped by {stop['signal']} at step {progress['step']} (the other members go on)", common.PREEMPTED)
+            self.leave(f"stopped by {self.stop['signal']} at step {self.progress['step']} (the other members go on)",
+                       common.PREEMPTED)
         except CoordinatorLost as e:
-            leave(f"lost the coordinator at {host}:{port} ({e}); once it is back, --resume goes on", common.PREEMPTED)
+            self.leave(f"lost the coordinator at {self.address[0]}:{self.address[1]} ({e}); once it is back, "
+                       f"--resume goes on", common.PREEMPTED)
 
-    def answered(reply):   # FT: True if the step may go on; else this member rejoins, or ends
-        nonlocal coordinator, store, gen
+    def answered(self, reply):   # FT: True if the step may go on; else this member rejoins, or ends
         if "over" in reply:   # it hung until the run ended, or joined during its last step
-            print(f"member {coordinator.id}: {reply['over']}; nothing is left to train", flush=True)
+            print(f"member {self.link.id}: {reply['over']}; nothing is left to train", flush=True)
             raise SystemExit(0)
         if "failed" in reply:
-            leave(reply["failed"], 1)
-        if "dropped" in reply:   # it hung past --member-timeout; the others went on without it
-            print(f"member {coordinator.id}: dropped by the coordinator ({reply['dropped']}); rejoining", flush=True)
-            checkpoint()   # its statistics as committed (and a file as current as it can be)
-            coordinator.sock.close()
-            if dist.is_initialized():   # FT: its old group, which the others have left
-                dist.destroy_process_group()   # FT: (a new one comes with its next generation)
-            coordinator, store = join()
-            gen = None
-        return "dropped" not in reply
+            self.leave(reply["failed"], 1)
+        if "dropped" not in reply:
+            return True
+        # it hung past --member-timeout; the others went on without it
+        print(f"member {self.link.id}: dropped by the coordinator ({reply['dropped']}); rejoining", flush=True)
+        self.checkpoint()   # its statistics as committed (and a file as current as it can be)
+        self.link.sock.close()
+        if dist.is_initialized():   # FT: its old group, which the others have left
+            dist.destroy_process_group()   # FT: (a new one comes with its next generation)
+        self.join()
+        self.gen = None
+        return False
 
-    coordinator, store = join()
-    making = {"since": None}   # FT: when this member began making its group, while it does
-    threading.Thread(target=watchdog, daemon=True).start()
-    gen, generations, steps_here, counted = None, 0, 0, False
-    timer = common.Timer(device, already=progress["seconds"])
-    while progress["step"] < final_step:
-        step = progress["step"]
-        if stop["signal"]:
-            leave(f"stopped by {stop['signal']} at step {step} (the other members go on)", common.PREEMPTED)
-        # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
-        quorum = talk() if counted else talk({"op": "ready", "step": step})
-        counted = False
-        if not answered(quorum):
-            continue
-        rank, world_size, problem = quorum["rank"], quorum["world"], None
-        if quorum["gen"] != gen:   # FT: a new membership: a new group, over a new prefix of the store
-            gen, generations, started = quorum["gen"], generations + 1, time.monotonic()
-            print(f"member {coordinator.id}: generation {gen}: {world_size} member(s), from step {quorum['step']}",
-                  flush=True)
-            if dist.is_initialized():   # FT: the last generation's group goes
-                dist.destroy_process_group()   # FT: before this one's is made
-            making["since"] = started
-            try:
-                dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", store), rank=rank,   # FT: its own
-                                        world_size=world_size, timeout=datetime.timedelta(seconds=args.member_timeout))
-            except (RuntimeError, dist.DistError) as e:
-                gen, problem = None, failure(e, started)
-            making["since"] = None
+    # ---- one step
+    def new_group(self, quorum):   # FT: a new membership: a new group, on a new prefix of the store; the failure
+        self.gen, self.generations = quorum["gen"], self.generations + 1
+        print(f"member {self.link.id}: generation {self.gen}: {quorum['world']} member(s), from step "
+              f"{quorum['step']}", flush=True)
+        if dist.is_initialized():   # FT: the last generation's group goes
+            dist.destroy_process_group()   # FT: before this one's is made
+        self.before_group = self.state()   # what the watchdog writes, should the store hang
+        started = time.monotonic()
+        self.making_since = started
+        problem = None
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{self.gen}", self.store),   # FT: its own
+                                    rank=quorum["rank"], world_size=quorum["world"],
+                                    timeout=datetime.timedelta(seconds=self.args.member_timeout))
+        except (RuntimeError, dist.DistError) as e:
+            self.gen, problem = None, failure(e, started)
+        self.making_since = None
+        return problem
+
+    def take_part(self, quorum, step):
+        """The step: a recovery if someone is behind, this member's micro-batches, the allreduce. Returns (the
+        step, recovered or not, its sums, the failure or None)."""
+        problem = None
+        if quorum["gen"] != self.gen:
+            problem = self.new_group(quorum)
         if not problem and quorum["src"] is not None:   # FT: someone is behind: the member furthest ahead sends
-            recovered, problem = recover(net, optimizer, progress, quorum["src"], args.epochs)
+            recovered, problem = recover(self.net, self.optimizer, self.progress, quorum["src"], self.args.epochs)
             if recovered and recovered["step"] != step:
-                progress, step = recovered, recovered["step"]
-                schedule_at(scheduler, step)
-                timer = common.Timer(device, already=progress["seconds"])
-                print(f"member {coordinator.id}: recovered live at step {step}", flush=True)
-        kept[:] = [b.clone() for b in buffers_of(net)]
-        if not problem:
-            epoch, batch_in_epoch = step // steps_per_epoch + 1, step % steps_per_epoch
-            idx = global_batch(len(y_train), args.batch_size, args.seed, epoch, batch_in_epoch)
-            mine = range(count * rank // world_size, count * (rank + 1) // world_size)   # FT: this member's share
-            net.train()
-            totals = compute(net, grads, message, X_train[idx], y_train[idx], args.micro_batch, mine, args.amp)
-            step_totals, problem = exchange(net, grads, message, totals, 0 in mine, count)   # FT: sums, statistics
-        # FT: all apply the step, or none; "next": this member is ready for the next step's quorum too
-        # (one message to the coordinator per step; not at the last step, nor when it was told to stop)
-        counted = step + 1 < final_step and not stop["signal"]
-        commit = talk({"op": "vote", "step": step, "ok": problem is None, "next": counted,
-                       **(problem or {"error": "", "waited": 0.0})})
-        if not answered(commit):
-            counted = False
-            continue
-        if not commit["commit"]:   # FT: no member applies it; the next quorum computes this step again
-            uncommitted()
-            continue
-        kept.clear()
-        optimizer.step()
-        scheduler.step()
-        for name, b in net.named_buffers():
+                self.progress, step = recovered, recovered["step"]
+                schedule_at(self.scheduler, step)
+                self.timer = common.Timer(self.device, already=self.progress["seconds"])
+                print(f"member {self.link.id}: recovered live at step {step}", flush=True)
+        self.kept[:] = [b.clone() for b in buffers_of(self.net)]
+        if problem:
+            return step, None, problem
+        rank, world_size = quorum["rank"], quorum["world"]
+        idx = global_batch(len(self.y_train), self.args.batch_size, self.args.seed, step // self.steps_per_epoch + 1,
+                           step % self.steps_per_epoch)
+        mine = range(self.count * rank // world_size, self.count * (rank + 1) // world_size)   # FT: this member's share
+        self.net.train()
+        totals = compute(self.net, self.grads, self.message, self.X_train[idx], self.y_train[idx],
+                         self.args.micro_batch, mine, self.args.amp)
+        step_totals, problem = exchange(self.net, self.grads, self.message, totals, 0 in mine, self.count)   # FT: sums
+        return step, step_totals, problem
+
+    def apply(self, step, step_totals):   # committed: the update, the position, an epoch's evaluation, a checkpoint
+        self.kept.clear()
+        self.optimizer.step()
+        self.scheduler.step()
+        for name, b in self.net.named_buffers():
             if name.endswith("num_batches_tracked"):
                 b.fill_(step + 1)   # FT: the same on every member, whoever held micro-batch 0
-        steps_here += 1
-        progress = {"step": step + 1, "totals": [a + b for a, b in zip(progress["totals"], step_totals.tolist())],
-                    "history": progress["history"], "seconds": timer()}
-        if progress["step"] % steps_per_epoch == 0 or progress["step"] == final_step:   # an epoch's end: evaluate here
-            net.eval()
-            test_acc = common.accuracy(net, common.test_loader(test_set, 0, 1, device), device, 1)   # all alike
-            metrics["epochs"] = progress["history"]
-            common.record_epoch(metrics, epoch, torch.tensor(progress["totals"]), progress["seconds"], test_acc, True)
-            progress = {"step": progress["step"], "totals": [0.0] * 3, "history": metrics["epochs"], "seconds": 0.0}
-            timer = common.Timer(device)
-        if args.checkpoint_every and progress["step"] % args.checkpoint_every == 0:   # after an epoch's evaluation
-            checkpoint()
-    coordinator.sock.close()
-    metrics.update(generations=generations, epochs=progress["history"])
-    common.finish(metrics, progress["step"], sum(e["seconds"] for e in metrics["epochs"]), net.state_dict(),
-                  {"all_reduce (the members)": message.numel() * message.element_size()} if steps_here else {})
-    if dist.is_initialized():   # FT: leave the last group
-        dist.destroy_process_group()   # FT: cleanly
-    return net
+        self.steps_here += 1
+        totals = [a + b for a, b in zip(self.progress["totals"], step_totals.tolist())]
+        self.progress = {"step": step + 1, "totals": totals, "history": self.progress["history"],
+                         "seconds": self.timer()}
+        if self.progress["step"] % self.steps_per_epoch == 0 or self.progress["step"] == self.final_step:
+            self.net.eval()   # an epoch's end: every member evaluates alike
+            test_acc = common.accuracy(self.net, common.test_loader(self.test_set, 0, 1, self.device), self.device, 1)
+            self.metrics["epochs"] = self.progress["history"]
+            common.record_epoch(self.metrics, step // self.steps_per_epoch + 1, torch.tensor(self.progress["totals"]),
+                                self.progress["seconds"], test_acc, True)
+            self.progress = {"step": self.progress["step"], "totals": [0.0] * 3, "history": self.metrics["epochs"],
+                             "seconds": 0.0}
+            self.timer = common.Timer(self.device)
+        if self.args.checkpoint_every and self.progress["step"] % self.args.checkpoint_every == 0:
+            self.checkpoint()   # after an epoch's evaluation
+
+    def train(self):
+        if self.saved and not self.resume():
+            return self.net
+        os.makedirs(self.args.out, exist_ok=True)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.stop.update(signal="SIGTERM", at=time.monotonic()))
+        self.join()
+        threading.Thread(target=self.watchdog, daemon=True).start()
+        self.timer = common.Timer(self.device, already=self.progress["seconds"])
+        counted = False   # the last vote also asked for this step's quorum
+        while self.progress["step"] < self.final_step:
+            step = self.progress["step"]
+            if self.stop["signal"]:
+                self.leave(f"stopped by {self.stop['signal']} at step {step} (the other members go on)",
+                           common.PREEMPTED)
+            # FT: who takes part in this step (after a vote that asked for it too, it comes unasked)
+            quorum = self.talk() if counted else self.talk({"op": "ready", "step": step})
+            counted = False
+            if not self.answered(quorum):
+                continue
+            step, step_totals, problem = self.take_part(quorum, step)
+            # FT: all apply the step, or none; "next": this member is ready for the next step's quorum too
+            # (one message to the coordinator per step; not at the last step, nor when it was told to stop)
+            counted = step + 1 < self.final_step and not self.stop["signal"]
+            commit = self.talk({"op": "vote", "step": step, "ok": problem is None, "next": counted,
+                                **(problem or {"error": "", "waited": 0.0})})
+            if not self.answered(commit):
+                counted = False
+            elif not commit["commit"]:   # FT: no member applies it; the next quorum computes this step again
+                self.uncommitted()
+            else:
+                self.apply(step, step_totals)
+        self.link.sock.close()
+        self.metrics.update(generations=self.generations, epochs=self.progress["history"])
+        sent = {"all_reduce (the members)": common.nbytes(self.message)} if self.steps_here else {}
+        common.finish(self.metrics, self.progress["step"], sum(e["seconds"] for e in self.metrics["epochs"]),
+                      self.net.state_dict(), sent)
+        if dist.is_initialized():   # FT: leave the last group
+            dist.destroy_process_group()   # FT: cleanly
+        return self.net
 
 # ---------------------------------------------------------------- command line
 def address(text):
@@ -693,7 +800,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    return serve(args) if args.serve else train(args)
+    if args.serve:
+        return Coordinator(args).serve()
+    return Member(args).train()
 
 if __name__ == "__main__":
     main()

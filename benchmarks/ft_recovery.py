@@ -24,13 +24,13 @@ def stamped(kind):
     """Run as a wrapper: the script, with a line `stamp STEP TIME` at each committed step's end."""
     if kind == "ft":
         import ft_ddp_resnet
-        ask = ft_ddp_resnet.Coordinator.ask
+        ask = ft_ddp_resnet.CoordinatorLink.ask
         def stamping(self, message):
             answer = ask(self, message)
             if message["op"] == "vote" and answer.get("commit"):
                 print(f"stamp {message['step'] + 1} {time.time():.4f}", flush=True)
             return answer
-        ft_ddp_resnet.Coordinator.ask = stamping
+        ft_ddp_resnet.CoordinatorLink.ask = stamping
         module = ft_ddp_resnet
     else:
         import torch, ddp_resnet
@@ -59,7 +59,7 @@ def torchft_member(lighthouse, replica, steps, timeout_s, host="127.0.0.1", batc
     import socket
     socket.gethostname = lambda: host   # torchft's checkpoint server gives its address by the host's name
     X, y = common.fashion_mnist(os.path.join(ROOT, "data"), batch * steps, 10)[0].tensors
-    net = common.resnet("fashion_resnet18", 10, 0)
+    net = common.resnet("resnet18", 10, 0, channels=1, image_size=28)
     optimizer, _ = common.sgd_recipe(net, 0.002 * batch / 256, 5e-4, 0, steps)   # at a constant rate
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)   # this replica group's own
     timeout = datetime.timedelta(seconds=timeout_s)

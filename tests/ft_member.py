@@ -23,7 +23,7 @@ def die(after=0.0):
         os.kill(os.getpid(), signal.SIGKILL)
 
 compute, exchange, recover, ask = (ft_ddp_resnet.compute, ft_ddp_resnet.exchange, ft_ddp_resnet.recover,
-                                   ft_ddp_resnet.Coordinator.ask)
+                                   ft_ddp_resnet.CoordinatorLink.ask)
 
 def compute_then_maybe_die(net, *args, **kwargs):
     if where == "backward" and attempts[0] == at:
@@ -81,6 +81,6 @@ def init_then_maybe_hang(*args, store, **kwargs):
 
 ft_ddp_resnet.dist.init_process_group = init_then_maybe_hang
 ft_ddp_resnet.compute, ft_ddp_resnet.exchange = compute_then_maybe_die, exchange_then_maybe_die
-ft_ddp_resnet.recover, ft_ddp_resnet.Coordinator.ask = recover_then_maybe_die, ask_then_maybe_die
+ft_ddp_resnet.recover, ft_ddp_resnet.CoordinatorLink.ask = recover_then_maybe_die, ask_then_maybe_die
 sys.argv = [ft_ddp_resnet.__file__] + sys.argv[3:]
 ft_ddp_resnet.main()
