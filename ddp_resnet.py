@@ -1,15 +1,15 @@
-"""ResNet-18 on Fashion-MNIST or your own images with DistributedDataParallel: the script to copy into real jobs.
+"""ResNet-18 on Fashion-MNIST or your own data with DistributedDataParallel: the script to copy into real jobs.
 
     python ddp_resnet.py                          # one process, no launcher needed
     torchrun --nproc_per_node=2 ddp_resnet.py     # one process per GPU (or 2 on CPU, gloo)
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 ddp_resnet.py
     torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 --warmup-epochs 2
 
-DIR holds train/ and val/, one subfolder of images per class (torchvision's ImageFolder, read by
-DataLoader workers); Fashion-MNIST is held in memory instead. Either way DistributedSampler gives
-each rank its share of the same global batches at any world size. The learning rate is given for
-256 samples, scaled with the global batch, warmed up, then decayed (Goyal et al. 2017). SIGTERM or
-SIGUSR1 stops every rank at the same step with a checkpoint; --resume goes on from it, exactly.
+Your data goes in datasets() below. DIR holds train/ and val/, one subfolder of images per class
+(torchvision's ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead. Either way
+DistributedSampler gives each rank its share of the same global batches at any world size. The learning
+rate is given for 256 samples, scaled with the global batch, warmed up, then decayed (Goyal et al. 2017).
+SIGTERM or SIGUSR1 stops every rank at the same step with a checkpoint; --resume goes on from it, exactly.
 Copy it with common.py. Lines that exist only because of DDP are tagged `# DDP:`.
 """
 import argparse, contextlib, math, os, time, warnings
@@ -18,8 +18,20 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 import common
+
+# ---------------------------------------------------------------- your data goes here
+def datasets(args):
+    """(training set, test set, number of classes): replace this body with your own Datasets. Any whose items
+    are (image tensor [C, H, W], label) will do: the model is made for their images' shape, and the loader
+    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact. Here: your image
+    folders when --data-dir holds train/ and val/ (a subfolder of images per class), else Fashion-MNIST."""
+    if os.path.isdir(os.path.join(args.data_dir, "train")):
+        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
+                                    args.test_samples)
+    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
 
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(path, net, optimizer, scheduler, position, flags, history):
@@ -51,7 +63,7 @@ def load_checkpoint(path, net, optimizer, scheduler, master):
         scheduler.load_state_dict(state[0]["scheduler"])
     return state[0]
 
-# ---------------------------------------------------------------- compressing what is sent
+# ---------------------------------------------------------------- the wrap, and compressing what it sends
 def comm_hook(args, resumed, master):
     """DDP: PyTorch's hooks replace each bucket's allreduce. bf16/fp16: cast down and back (half the
     bytes). PowerSGD (Vogels et al. 2019): each gradient matrix as two rank-R factors, with error
@@ -79,6 +91,18 @@ def counting(hook, sent, world_size):
         return future
     return hook_and_count
 
+def wrap(net, args, device, backend, resumed, master, sent):
+    """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward;
+    with --comm-hook, compressed (set before the first backward). PowerSGD on gloo takes one bucket: gloo may
+    run several buckets' factors in other orders on other ranks. Returns (the wrap, the model to call)."""
+    one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
+    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
+                    bucket_cap_mb=1e6 if one_bucket else None)
+    if args.comm_hook:   # DDP: compression replaces each bucket's allreduce
+        hook_state, hook = comm_hook(args, resumed, master)
+        ddp_model.register_comm_hook(hook_state, counting(hook, sent, dist.get_world_size()))   # DDP: the hook
+    return ddp_model, torch.compile(ddp_model) if args.compile else ddp_model
+
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
     """Forward and backward in accum_steps micro-batches, then one optimizer step; adds the summed loss, the hits
@@ -99,19 +123,30 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
         totals[2] += len(y_micro)   # a Python number: no copy to the device
     optimizer.step()
 
+def end_of_epoch(net, totals, test_batches, device, world_size):
+    """The epoch's sums over all ranks; rank 0's BatchNorm statistics on all (those model.pt holds; each rank's
+    own batches updated its own); the test accuracy over all ranks."""
+    dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
+    for buffer in net.buffers():
+        dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
+    net.eval()
+    test_acc = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
+    net.train()
+    return test_acc
+
 # ---------------------------------------------------------------- training
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DDP: one GPU per process
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
+                            device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
-        common.check_out_dir(args.out)
-    # Fashion-MNIST in memory (on the GPU with CUDA), or your images in train/ and val/ (a folder per class)
-    train_set, test_set, arch, classes = common.datasets(args, rank, world_size, device)
+        os.makedirs(args.out, exist_ok=True)
+    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DDP: per node
+    shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into --accum-steps "
@@ -123,7 +158,7 @@ def train(args):
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
-    net = common.resnet(arch, classes, args.seed)
+    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1])
     if args.sync_bn and device.type == "cuda":
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
     elif args.sync_bn and master:
@@ -134,7 +169,7 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
+    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, master) if args.resume else None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
@@ -142,7 +177,6 @@ def train(args):
         position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, args.max_steps,
                                           steps_per_epoch * args.epochs, master)
         if position is None:   # nothing left to train
-            dist.destroy_process_group()   # DDP: leave cleanly
             return net
         metrics["epochs"] = state["history"]
     def save(epoch, batch_in_epoch, totals, seconds):   # DDP: on every rank, at the same step; rank 0 writes
@@ -154,22 +188,13 @@ def train(args):
             save_checkpoint(args.checkpoint, net, optimizer, scheduler, here, flags, metrics["epochs"])
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
         dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
-    stop = common.StopSignal(args.checkpoint)   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step
-
-    # DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward.
-    # PowerSGD on gloo takes one bucket: gloo may run several buckets' factors in other orders on other ranks.
-    one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
-    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
-                    bucket_cap_mb=1e6 if one_bucket else None)
+    stop = common.StopSignal()   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step
     sent = {}   # the bytes this rank hands to allreduce in this run's steps (metrics.json)
-    if args.comm_hook:   # DDP: compression replaces each bucket's allreduce; set before the first backward
-        hook_state, hook = comm_hook(args, state is not None, master)
-        ddp_model.register_comm_hook(hook_state, counting(hook, sent, world_size))
-    model = torch.compile(ddp_model) if args.compile else ddp_model
+    ddp_model, model = wrap(net, args, device, backend, state is not None, master, sent)   # DDP: the wrap
     if master:
-        print(f"ddp_resnet: {arch}, {world_size} rank(s) on {device} ({backend}), global batch {args.batch_size} = "
-              f"{world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} ({args.lr:g} x "
-              f"{args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
+        print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
+              f"batch {args.batch_size} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
+              f"({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
@@ -178,42 +203,33 @@ def train(args):
         # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
         totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
-        net.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True), args.accum_steps, args.amp,
                        totals)
             scheduler.step()   # the learning rate of the next step
             step += 1
+            signalled = stop.agreed() if step < final_step else None   # DDP: one answer on all ranks
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            signalled = stop.agreed(now=epoch_end) if step < final_step else None   # DDP: one answer on all ranks
             every = args.checkpoint_every and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
             if signalled:   # DDP: every rank stops after this same step, the checkpoint written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))   # main leaves the group
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
             if step == final_step:
-                stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
                 break
         seconds = timer()
-        dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
-        for buffer in net.buffers():   # BatchNorm statistics: rank 0's, those model.pt holds
-            dist.broadcast(buffer, src=0)   # DDP: each rank's own batches updated its own
-        net.eval()
-        test_acc = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
+        test_acc = end_of_epoch(net, totals, test_batches, device, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
-    stop.close()
     if master and metrics["epochs"]:
         sent_per_step = {k: v / (step - position["step"]) for k, v in sent.items()}   # what the hook counted
         if not args.comm_hook and world_size > 1:   # DDP allreduces every gradient once a step
             sent_per_step = {f"all_reduce ({world_size} ranks)": common.nbytes(*net.parameters())}
         common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent_per_step)
-    del model, ddp_model   # DDP: the wrap goes first: if it freed the group, gloo's threads could deadlock (torch 2.9)
-    dist.destroy_process_group()   # DDP: leave cleanly
     return net
 
 # ---------------------------------------------------------------- command line
@@ -230,13 +246,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
                    "train/ and val/, one subfolder of images per class")
-    p.add_argument("--arch", help="image folders: a torchvision model (default resnet18)")
-    p.add_argument("--image-size", type=common.positive_int, help="image folders: resized and cropped to this "
-                   "(224; fashion_resnet18: 28)")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="image folders: DataLoader workers")
+    p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
+    p.add_argument("--image-size", type=common.positive_int, default=224,
+                   help="image folders: resized and cropped to this")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader workers (not for data "
+                   "held in memory)")
     p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
-    p.add_argument("--train-samples", type=common.positive_int, help="Fashion-MNIST: only the first N training images")
-    p.add_argument("--test-samples", type=common.positive_int, help="Fashion-MNIST: only the first N test images")
+    p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--accum-steps", type=common.positive_int, default=1,
                    help="split each rank's batch into this many micro-batches (gradient accumulation)")
@@ -257,7 +274,6 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs")
     p.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 sees it), mid-epoch "
                    "too, at any world size with the same flags; without one, start at step 0")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     if args.powersgd_start < 2:
         p.error(f"argument --powersgd-start: must be 2 or more (DDP re-buckets after step 1), got "
@@ -265,10 +281,11 @@ def parse_args(argv=None):
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args
 
+@record   # DDP: an error's traceback goes to torchrun's error file, and its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python ddp_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with common.leaving_the_group():   # DDP: after the run, a stop or an error
         return train(args)
 
 if __name__ == "__main__":

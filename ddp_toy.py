@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import common
@@ -40,11 +41,11 @@ def train(args):
     backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DDP: one GPU per process
     rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)   # before any connection
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DDP: all ranks
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
+                            device_id=device if backend == "nccl" else None)
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
-        common.check_out_dir(args.out)
+        os.makedirs(args.out, exist_ok=True)
     X_train, y_train = toy_data(args.train_samples, seed=1)
     X_test, y_test = toy_data(args.test_samples, seed=2)
     loader = train_loader(X_train, y_train, rank_batch, rank, world_size, args.seed)
@@ -83,10 +84,7 @@ def train(args):
             break
     if master:
         common.finish(metrics, step, time.perf_counter() - start, model.module.state_dict(), sent)
-    net = model.module
-    del model   # DDP: the wrap goes first: if it freed the group, gloo's threads could deadlock (torch 2.9)
-    dist.destroy_process_group()   # DDP: leave cleanly
-    return net
+    return model.module
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -102,18 +100,18 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
                    "else gloo; gloo on GPUs lets several ranks share one")
     p.add_argument("--out", default="runs/ddp_toy", help="folder for metrics.json, curves.png and model.pt")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     return p.parse_args(argv)
 
 def run_rank(local_rank, args):   # DDP: one process of mp.spawn, told its rank as torchrun would tell it
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
+    with common.leaving_the_group():   # DDP: after the run or an error
         train(args)
 
+@record   # DDP: under torchrun, an error's traceback goes to its error file, and its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ:   # DDP: torchrun (or a user) already started the processes
-        with common.one_line_per_rank():
+        with common.leaving_the_group():   # DDP: after the run or an error
             return train(args)
     world_size = args.world_size or torch.cuda.device_count() or 2
     if args.batch_size % world_size or args.train_samples < args.batch_size:   # refused before any process starts

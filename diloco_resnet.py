@@ -28,7 +28,18 @@ import argparse, collections, math, os, shutil, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 import common
+
+# ---------------------------------------------------------------- your data goes here
+def datasets(args):
+    """(training set, test set, number of classes), as in ddp_resnet.py: replace this body with your own
+    Datasets of (image tensor [C, H, W], label). Here: your image folders when --data-dir holds train/ and val/
+    (a subfolder of images per class), else Fashion-MNIST."""
+    if os.path.isdir(os.path.join(args.data_dir, "train")):
+        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
+                                    args.test_samples)
+    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
 
 # ---------------------------------------------------------------- the outer step: what makes this DiLoCo
 class Outer:
@@ -73,7 +84,8 @@ class Outer:
         self.optimizer.load_state_dict(state["optimizer"])
 
 def evaluate_shared(test_batches, net, outer, device):
-    """Test accuracy of the shared weights; this rank's replica is put back after."""
+    """Test accuracy of the shared weights of the last sync (over all ranks); this rank's replica is put back
+    after."""
     replica = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(outer.shared_state(net))
     net.eval()
@@ -181,12 +193,13 @@ def train(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = args.backend or common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), else gloo
     device = common.pick_device(backend)   # DiLoCo: one GPU per process
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # DiLoCo: all ranks
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DiLoCo: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
     master = rank == 0   # DiLoCo: rank 0 alone prints and writes
     if master:
-        common.check_out_dir(args.out)
-    train_set, test_set, arch, classes = common.datasets(args, rank, world_size, device)   # as ddp_resnet.py
+        os.makedirs(args.out, exist_ok=True)
+    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DiLoCo: per node
+    shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
                                                  args.workers)   # DiLoCo: this rank's 1/W of each global batch
@@ -194,14 +207,15 @@ def train(args):
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
-    net = common.resnet(arch, classes, args.seed).to(device, memory_format=memory_format)
+    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1])
+    net = net.to(device, memory_format=memory_format)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples of the global batch
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
                                              steps_per_epoch * args.epochs)   # inner, per rank
     outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
+    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = None
     if args.resume:
@@ -212,7 +226,6 @@ def train(args):
         position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, args.max_steps,
                                           steps_per_epoch * args.epochs, master)
         if position is None:   # nothing left to train
-            dist.destroy_process_group()   # DiLoCo: leave cleanly
             return outer.shared_state(net)
         metrics["epochs"] = state["history"]
     def save(epoch, batch_in_epoch, totals, seconds):   # DiLoCo: every rank sends its replica; rank 0 writes
@@ -224,10 +237,11 @@ def train(args):
                         world_size)
         if master:
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
-    stop = common.StopSignal(args.checkpoint)   # DiLoCo: SIGTERM/SIGUSR1 stop every rank at the same step
+    stop = common.StopSignal()   # DiLoCo: SIGTERM/SIGUSR1 stop every rank at the same step
     sent = collections.Counter()   # the bytes this rank hands to collectives in this run's steps (metrics.json)
     if master:
-        print(f"diloco_resnet: {arch}, {world_size} rank(s) on {device} ({backend}), global batch {args.batch_size} = "
+        print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
+              f"batch {args.batch_size} = "
               f"{world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {args.batch_size}/256), cosine after "
               f"{args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} step(s): outer SGD lr "
               f"{args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
@@ -238,7 +252,6 @@ def train(args):
         timer = common.Timer(device, already=position["seconds"] if done else 0.0)
         totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
-        net.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             train_step(net, optimizer, X, y.to(device, non_blocking=True), args.amp, totals)
@@ -246,33 +259,29 @@ def train(args):
             step += 1
             if step % args.local_steps == 0 or step == last_step:
                 outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
+            signalled = stop.agreed() if step < final_step else None   # DiLoCo: one answer on all ranks
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            signalled = stop.agreed(now=epoch_end) if step < final_step else None   # DiLoCo: one answer on all ranks
             every = args.checkpoint_every and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
             if signalled:   # DiLoCo: every rank stops after this same step, the replicas written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))   # main leaves the group
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
             if step == final_step:
-                stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
                 break
         seconds = timer()
         dist.all_reduce(totals)   # DiLoCo: loss, hits and samples over all ranks
-        test_acc = evaluate_shared(test_batches, net, outer, device)   # the shared weights of the last sync
-        net.train()
+        test_acc = evaluate_shared(test_batches, net, outer, device)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
-    stop.close()
     if master and metrics["epochs"]:
         if step % args.local_steps and step != last_step:
             print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
                   f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
         common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net),
                       {k: v / max(1, step - position["step"]) for k, v in sent.items()})   # per step of this run
-    dist.destroy_process_group()   # DiLoCo: leave cleanly
     return outer.shared_state(net)
 
 # ---------------------------------------------------------------- command line
@@ -289,13 +298,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
                    "train/ and val/, one subfolder of images per class")
-    p.add_argument("--arch", help="image folders: a torchvision model (default resnet18)")
-    p.add_argument("--image-size", type=common.positive_int, help="image folders: resized and cropped to this "
-                   "(224; fashion_resnet18: 28)")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="image folders: DataLoader workers")
+    p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
+    p.add_argument("--image-size", type=common.positive_int, default=224,
+                   help="image folders: resized and cropped to this")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader workers (not for data "
+                   "held in memory)")
     p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
-    p.add_argument("--train-samples", type=common.positive_int, help="Fashion-MNIST: only the first N training images")
-    p.add_argument("--test-samples", type=common.positive_int, help="Fashion-MNIST: only the first N test images")
+    p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
@@ -314,15 +324,15 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="go on from --checkpoint (as rank 0 sees it), mid-round too; without one, start at step 0")
     p.add_argument("--out", default="runs/diloco_resnet", help="folder for metrics.json, curves.png and model.pt")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args
 
+@record   # DiLoCo: an error's traceback goes to torchrun's error file, and its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python diloco_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with common.leaving_the_group():   # DiLoCo: after the run, a stop or an error
         return train(args)
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ GPU, and sums the gradients back there. Simple to use; see the README for what i
 Copy it with common.py.
 Lines that exist only because of DataParallel are tagged `# DP:`.
 """
-import argparse, time
+import argparse, os, time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,20 +38,20 @@ def train_step(model, optimizer, X, y, totals):
     totals[2] += len(y)   # a Python number: no copy to the device
 
 def train(args):
-    common.check_out_dir(args.out)
+    os.makedirs(args.out, exist_ok=True)
     gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())][: args.gpus]
     device = gpus[0] if gpus else torch.device("cpu")
     if not gpus:
         print("note: no GPU here, so DataParallel runs the model on the CPU as a single device", flush=True)
-    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    train_set, test_set, classes = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     common.check_batch(args.batch_size, 1, len(train_set), rank=0)
-    train_set = torch.utils.data.TensorDataset(*(t.to(device) for t in train_set.tensors))
     # the batches of ddp_resnet.py: DistributedSampler's order, here for one process that takes them whole
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, 0, 1, device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
     # A new network every run, from the seed: the same initial weights as ddp_resnet.py.
-    net = common.resnet("fashion_resnet18", 10, args.seed).to(device, memory_format=memory_format)
+    net = common.resnet("resnet18", classes, args.seed, channels=1, image_size=28)
+    net = net.to(device, memory_format=memory_format)
     model = nn.DataParallel(Autocast(net, args.amp), device_ids=gpus or None)   # DP: the whole change
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples, as in ddp_resnet.py
     optimizer, _ = common.sgd_recipe(net, lr, 5e-4, 0, 1)   # ddp_resnet.py's optimizer, at a constant rate

@@ -23,12 +23,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 import common
+
+# ---------------------------------------------------------------- your data goes here
+def datasets(args):
+    """(training set, test set, number of classes), as in ddp_resnet.py: replace this body with your own
+    Datasets of (image tensor [C, H, W], label). Here: your image folders when --data-dir holds train/ and val/
+    (a subfolder of images per class), else Fashion-MNIST."""
+    if os.path.isdir(os.path.join(args.data_dir, "train")):
+        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
+                                    args.test_samples)
+    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
 def save_checkpoint(path, model, optimizer, scheduler, position, flags, history, rank):
@@ -104,7 +115,7 @@ def full_state_dict(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 def bytes_held(model, optimizer):
-    """What this rank really holds: its local shards of parameters, gradients, optimizer state."""
+    """What this rank really holds: its local shards of parameters, gradients, optimizer state. On every rank."""
     model.reshard()   # the root keeps its parameters gathered after a forward; back to shards
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t
     size = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)
@@ -186,6 +197,17 @@ def train_step(model, optimizer, X, y, totals):
     totals[1] += (logits.argmax(1) == y).sum()
     totals[2] += len(y)   # a Python number: no copy to the device
 
+def end_of_epoch(model, totals, test_batches, device, world_size):
+    """The epoch's sums over all ranks; rank 0's BatchNorm statistics on all (they are not sharded, and each
+    rank's own batches updated its own; model.pt holds rank 0's); the test accuracy over all ranks."""
+    dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
+    model.eval()
+    test_acc = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
+    model.train()
+    return test_acc
+
 # ---------------------------------------------------------------- training
 def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
@@ -195,12 +217,13 @@ def train(args):
     if backend == "gloo" and device.type == "cuda":
         sys.exit(f"rank {rank}: error: FSDP2 over gloo crashes with CUDA tensors (SIGSEGV): use --backend nccl "
                  f"(one process per GPU), or the CPU: CUDA_VISIBLE_DEVICES=")
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # FSDP: all ranks
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # FSDP: all ranks
+                            device_id=device if backend == "nccl" else None)
     master = rank == 0   # FSDP: rank 0 alone prints and writes
     if master:
-        common.check_out_dir(args.out)
-    train_set, test_set, arch, classes = common.datasets(args, rank, world_size, device)   # as ddp_resnet.py
+        os.makedirs(args.out, exist_ok=True)
+    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # FSDP: per node
+    shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
                                                  args.workers)   # FSDP: this rank's 1/W of each global batch
@@ -210,7 +233,7 @@ def train(args):
 
     # FSDP: the weights stay contiguous (fully_shard refuses others): channels_last inputs make the
     # convolutions, and the activations after them, NHWC all the same
-    net = common.resnet(arch, classes, args.seed).to(device)
+    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1]).to(device)
     mesh = device_mesh(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.hsdp)
     model = shard(net, mesh, args.amp)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples
@@ -218,7 +241,7 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "arch": arch, "training samples": len(train_set)}   # a resume must match them
+    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     saved = load_checkpoint(args.checkpoint, model, optimizer, scheduler, rank, world_size) if args.resume else None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
@@ -226,7 +249,6 @@ def train(args):
         position = common.resume_position(saved, flags, args.checkpoint, steps_per_epoch, args.max_steps,
                                           steps_per_epoch * args.epochs, master)
         if position is None:   # nothing left to train
-            dist.destroy_process_group()   # FSDP: leave cleanly
             return None
         metrics["epochs"] = saved["history"]
     def save(epoch, batch_in_epoch, totals, seconds):   # FSDP: every rank writes its own shards
@@ -237,9 +259,10 @@ def train(args):
         save_checkpoint(args.checkpoint, model, optimizer, scheduler, here, flags, metrics["epochs"], rank)
         if master:
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
-    stop = common.StopSignal(args.checkpoint)   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step
+    stop = common.StopSignal()   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step
     if master:
-        print(f"fsdp_resnet: {arch}, {world_size} rank(s) on {device} ({backend}), global batch {args.batch_size} = "
+        print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
+              f"batch {args.batch_size} = "
               f"{world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
               f"{f' in each of {mesh.size(0)} replicas (HSDP)' if args.hsdp else ''}, lr {lr:g} "
               f"({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
@@ -251,45 +274,36 @@ def train(args):
         # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
         totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
         batch_in_epoch = done
-        model.train()
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             train_step(model, optimizer, X, y.to(device, non_blocking=True), totals)
             scheduler.step()
             step += 1
+            signalled = stop.agreed() if step < final_step else None   # FSDP: one answer on all ranks
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            signalled = stop.agreed(now=epoch_end) if step < final_step else None   # FSDP: one answer on all ranks
             every = args.checkpoint_every and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
             if signalled:   # FSDP: every rank stops after this same step, its shards written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))   # main leaves the group
+                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
             if step == final_step:
-                stop.close()   # the run's last step: its evaluation and outputs follow, whatever signal comes
                 break
         seconds = timer()
-        dist.all_reduce(totals)   # FSDP: loss, hits and samples over all ranks
-        for buffer in model.buffers():   # BatchNorm statistics: rank 0's, those model.pt holds
-            dist.broadcast(buffer, src=0)   # FSDP: BatchNorm buffers are not sharded; each rank updated its own
-        model.eval()
-        test_acc = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
+        test_acc = end_of_epoch(model, totals, test_batches, device, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
-    stop.close()
-    held = [None] * world_size
-    dist.all_gather_object(held, bytes_held(model, optimizer))   # FSDP: what each rank holds
+    held = common.every_rank(bytes_held(model, optimizer), world_size)   # FSDP: what each rank holds
     state = full_state_dict(model)
     if master and metrics["epochs"]:
         metrics["bytes_per_rank"] = held
-        mb = lambda key: f"{held[0][key] / 1e6:.1f}"
-        print(f"per rank: {mb('params')} MB parameters, {mb('grads')} MB gradients, {mb('optimizer_state')} MB "
-              f"optimizer state (of {sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, "
-              f"all of which DDP keeps on every rank)", flush=True)
+        print(f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters, {held[0]['grads'] / 1e6:.1f} MB gradients, "
+              f"{held[0]['optimizer_state'] / 1e6:.1f} MB optimizer state (of "
+              f"{sum(h['params'] for h in held[:mesh.size(mesh.ndim - 1)]) / 1e6:.1f} MB each, all of which DDP "
+              f"keeps on every rank)", flush=True)
         common.finish(metrics, step, time.perf_counter() - start, state, bytes_sent_per_step(model, mesh, args.amp))
-    dist.destroy_process_group()   # FSDP: leave cleanly
     return state
 
 # ---------------------------------------------------------------- command line
@@ -306,13 +320,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
                    "train/ and val/, one subfolder of images per class")
-    p.add_argument("--arch", help="image folders: a torchvision model (default resnet18)")
-    p.add_argument("--image-size", type=common.positive_int, help="image folders: resized and cropped to this "
-                   "(224; fashion_resnet18: 28)")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="image folders: DataLoader workers")
+    p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
+    p.add_argument("--image-size", type=common.positive_int, default=224,
+                   help="image folders: resized and cropped to this")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader workers (not for data "
+                   "held in memory)")
     p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
-    p.add_argument("--train-samples", type=common.positive_int, help="Fashion-MNIST: only the first N training images")
-    p.add_argument("--test-samples", type=common.positive_int, help="Fashion-MNIST: only the first N test images")
+    p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
+    p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
@@ -327,15 +342,15 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs")
     p.add_argument("--resume", action="store_true", help="go on from the newest checkpoint in --checkpoint, "
                    "mid-epoch too, at any world size with the same flags; without one, start at step 0")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
     return args
 
+@record   # FSDP: an error's traceback goes to torchrun's error file, and its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
     common.default_to_one_process()   # plain `python fsdp_resnet.py`: a group of one
-    with common.one_line_per_rank(args.checkpoint):   # a failed rank, or a lost peer: one line each
+    with common.leaving_the_group():   # FSDP: after the run, a stop or an error
         return train(args)
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ fi
 echo "== python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 
 # --- Fashion-MNIST in ./data: the folder, torchvision's download, or Debian's package
-prepare='import common, sys; sys.exit(common.prepare_fashion_mnist("data"))'
+prepare='import common; common.fashion_mnist("data")'
 if ! "$PY" -c "$prepare" 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== installing Debian's dataset-fashion-mnist"

@@ -103,12 +103,11 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=l
 
 # ---------------------------------------------------------------- training
 def train(args, devices):
-    common.check_out_dir(args.out)
-    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    os.makedirs(args.out, exist_ok=True)
+    train_set, test_set, _ = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     common.check_batch(args.batch_size, 1, len(train_set), rank=0)
-    # The training set lives on the first device (188 MB on a GPU): a step then gathers its batch
+    # The loader holds the training set on the first device (188 MB on a GPU): a step gathers its batch
     # there, instead of on the CPU followed by a copy to the GPU.
-    train_set = torch.utils.data.TensorDataset(*(t.to(devices[0]) for t in train_set.tensors))
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, 0, 1, devices[0])
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     replicas = [get_params(init_params(args.seed), d, layout) for d in devices]   # all equal

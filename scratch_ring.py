@@ -17,6 +17,7 @@ import argparse, collections, math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import common
 from scratch_lenet import (PARAM_NAMES, add_lenet_flags, allreduce, get_params, init_params, lenet, replica_steps, sgd,
                            split_batch)
@@ -183,10 +184,10 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank, wor
 def train(args, devices, rank, world_size):
     master = rank == 0   # RING: process 0 alone prints and writes
     if master:
-        common.check_out_dir(args.out)
-    train_set, test_set = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples, rank, world_size)
+        os.makedirs(args.out, exist_ok=True)
+    train_set, test_set, _ = common.load_on_every_rank(   # RING: each node reads its own disk
+        lambda: common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples), world_size)
     common.check_batch(args.batch_size, world_size, len(train_set), rank)
-    train_set = torch.utils.data.TensorDataset(*(t.to(devices[0]) for t in train_set.tensors))
     # RING: this process's 1/W of each global batch (DistributedSampler), a new order each epoch
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, devices[0])
     # Every process starts from the same seed, so all replicas start equal.
@@ -266,7 +267,6 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
                    "else gloo; gloo on GPUs lets several processes share one")
     p.add_argument("--out", default="runs/scratch_ring", help="folder for metrics.json, curves.png and model.pt")
-    p.add_argument("--init-timeout", type=common.positive_float, default=300, help="seconds to wait for every rank")
     args = p.parse_args(argv)
     if args.overlap and args.zero:
         p.error("--overlap and --zero: choose one (this ZeRO sends its two halves after backward)")
@@ -275,6 +275,7 @@ def parse_args(argv=None):
         p.error(f"--batch-size {args.batch_size} is smaller than the {replicas} replicas: each needs a sample")
     return args
 
+@record   # RING: an error's traceback goes to torchrun's error file, and its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
     torch.backends.cudnn.allow_tf32 = False   # float32 convolutions, as in scratch_lenet.py
@@ -286,15 +287,13 @@ def main(argv=None):
     if backend == "gloo" and device.type == "cuda":   # gloo's TCP transport reads a CUDA pointer as host memory
         sys.exit(f"rank {rank}: error: gloo cannot send CUDA tensors point to point (\"Bad address\"): use "
                  f"--backend nccl (one process per GPU), or the CPU: CUDA_VISIBLE_DEVICES=")
-    dist.init_process_group(backend, store=common.rendezvous_store(args.init_timeout), rank=rank,   # RING: all ranks
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
-    devices = ([torch.device("cuda", (device.index + i) % torch.cuda.device_count()) for i in range(args.devices)]
-               if device.type == "cuda" else [device] * args.devices)
-    with common.one_line_per_rank():   # a failed rank, or a lost peer: one line each
-        try:
-            return train(args, devices, rank, world_size)
-        finally:
-            dist.destroy_process_group()   # RING: leave cleanly
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # RING: all ranks
+                            device_id=device if backend == "nccl" else None)
+    devices = [device] * args.devices
+    if device.type == "cuda":   # RING: this process's GPUs, K in a row
+        devices = [torch.device("cuda", (device.index + i) % torch.cuda.device_count()) for i in range(args.devices)]
+    with common.leaving_the_group():   # RING: after the run or an error
+        return train(args, devices, rank, world_size)
 
 if __name__ == "__main__":
     main()

@@ -100,7 +100,7 @@ def resnet(args, rank, world_size, results):
         optimizer.step()
     models = {}
     for name, cap_mb in (("ddp", None), ("ddp_one_bucket", 1024)):   # 1 GB: one bucket for all
-        net = common.resnet("fashion_resnet18", 10, 0)
+        net = common.resnet("resnet18", 10, 0, channels=1, image_size=28)
         models[name] = (DDP(net) if cap_mb is None else DDP(net, bucket_cap_mb=cap_mb),
                         torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
     model, optimizer = models["ddp"]
@@ -127,7 +127,7 @@ def main():
     args = p.parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     common.pick_device("gloo", cuda=False)   # this process's share of the cores
-    dist.init_process_group("gloo", store=common.rendezvous_store(120), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo")
     results = {"world_size": world_size}
     (lenet if args.model == "lenet" else resnet)(args, rank, world_size, results)
     if rank == 0:

@@ -21,10 +21,10 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
     import common, ddp_resnet
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=common.rendezvous_store(60), rank=rank, world_size=world_size)
+    dist.init_process_group("gloo")
     X, y = common.fashion_mnist(os.path.join(ROOT, "data"), args.batch_size, 1)[0].tensors
     X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
-    net = common.resnet("fashion_resnet18", 10, 0)
+    net = common.resnet("resnet18", 10, 0, channels=1, image_size=28)
     model = DDP(net)
     if "hook" in args.variant:
         model.register_comm_hook(None, default_hooks.allreduce_hook)

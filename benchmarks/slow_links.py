@@ -87,7 +87,7 @@ def main(argv=None):
     problem = simulated_cluster.unavailable()
     if problem:
         sys.exit(f"{problem}; this benchmark needs it")
-    common.prepare_fashion_mnist(os.path.join(ROOT, "data"))
+    common.fashion_mnist(os.path.join(ROOT, "data"))
     os.makedirs(OUT, exist_ok=True)
     variants = [v for v in VARIANTS if not args.only or v[0].startswith(tuple(args.only))]
     results = {}

@@ -12,12 +12,11 @@ import common
 CLASSES = ("t-shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle_boot")
 
 def write_images(data_dir, out, train_samples=None, test_samples=None):
-    problem = common.prepare_fashion_mnist(data_dir)
-    if problem:
-        sys.exit(problem)
-    paths = common.find_files(data_dir)
-    for i, (split, n) in enumerate((("train", train_samples), ("val", test_samples))):
-        images, labels = common.read_idx(paths[2 * i], (28, 28))[:n], common.read_idx(paths[2 * i + 1], ())[:n]
+    from torchvision.datasets import FashionMNIST
+    common.fashion_mnist(data_dir)   # the files where torchvision reads them, or one line saying what to do
+    for train, split, n in ((True, "train", train_samples), (False, "val", test_samples)):
+        data = FashionMNIST(data_dir, train=train)
+        images, labels = data.data[:n], data.targets[:n]
         for label, name in enumerate(CLASSES):
             os.makedirs(os.path.join(out, split, f"{label}_{name}"), exist_ok=True)
         for index, (image, label) in enumerate(zip(images, labels.tolist())):

@@ -66,8 +66,15 @@ def once(fixture):
 
 @pytest.fixture(scope="session", autouse=True)
 def fashion_mnist():
-    problem = common.prepare_fashion_mnist(DATA)
-    assert problem is None, problem
+    try:
+        common.fashion_mnist(DATA)
+    except SystemExit as e:
+        pytest.fail(str(e.code))
+
+
+def fashion_resnet(seed=0):
+    """The ResNet-18 the scripts make for Fashion-MNIST: 1x28x28 images, a 3x3 stem, no max-pool."""
+    return common.resnet("resnet18", 10, seed, channels=1, image_size=28)
 
 
 def run(command, *, env=None, timeout=300):
@@ -115,8 +122,8 @@ def assert_same_weights(a, b, tol=1e-5):
 def resnet_step(weights):
     """The step from ResNet-18's initial weights (seed 0) to `weights`, as one flat vector of its
     parameters: steps that are not equal (bf16, compiled kernels) are compared by direction."""
-    start = common.resnet("fashion_resnet18", 10, 0).state_dict()
-    names = [name for name, _ in common.resnet("fashion_resnet18", 10, 0).named_parameters()]
+    start = fashion_resnet(0).state_dict()
+    names = [name for name, _ in fashion_resnet(0).named_parameters()]
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
@@ -134,7 +141,7 @@ def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, sa
 
 def _resnet_reference(shards, steps, lr, batch_size, samples):
     X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
-    net = common.resnet("fashion_resnet18", 10, 0)
+    net = fashion_resnet(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
     # BatchNorm and biases; the cosine of 5 epochs
     decay = [p for p in net.parameters() if p.ndim > 1]

@@ -6,13 +6,13 @@ import torch.distributed.run
 import common
 import local_slurm
 import simulated_cluster
-from helpers import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok,
-                     assert_same_weights, load_model, max_difference, read, resnet_reference, run, running, wait_for)
+from helpers import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok, assert_same_weights,
+                     fashion_resnet, load_model, max_difference, read, resnet_reference, run, running, wait_for)
 
 # One at a time, on one pytest-xdist worker: two local SLURMs would share one munged (the first to
 # end stops it).
 pytestmark = pytest.mark.xdist_group("machines")
-RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
+RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
 # The sbatch file needs a torchrun that forwards SIGUSR1 (--signals-to-handle, torch 2.10 and later); with an older
 # one it refuses in this line, before any training.
 SIGNALS_FORWARDED = "--signals-to-handle" in torch.distributed.run.get_args_parser().format_help()

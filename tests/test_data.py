@@ -3,13 +3,14 @@ data held in memory, at any number of workers and ranks, resumed mid-epoch; bad 
 import gzip, json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
+from torchvision.datasets import FashionMNIST
 import common
 from write_images import write_images
-from helpers import (DATA, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of,
+from helpers import (DATA, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of, fashion_resnet,
                      load_model, read, run, running, wait_for)
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
-FOLDER = ["--arch", "fashion_resnet18", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
+FOLDER = ["--image-size", "28", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +22,7 @@ def images(tmp_path_factory):
 
 
 def params_of(weights):   # parameters only: BatchNorm's running statistics are rank 0's shard's
-    names = {name for name, _ in common.resnet("fashion_resnet18", 10, 0).named_parameters()}
+    names = {name for name, _ in fashion_resnet(0).named_parameters()}
     return {k: v for k, v in weights.items() if k in names}
 
 
@@ -32,7 +33,6 @@ def test_any_number_of_workers_trains_like_none(images, tmp_path):
     for workers in ("0", "1", "2"):
         result = run(["python", "ddp_resnet.py", "--workers", workers, "--out", str(tmp_path / workers)] + flags)
         assert_ok(result)
-        assert f"{workers} worker(s) per rank, random crop and flip" in result.stdout
     for workers in ("1", "2"):
         assert_same_weights(load_model(tmp_path / "0"), load_model(tmp_path / workers), tol=1e-6)
 
@@ -61,20 +61,18 @@ def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, 
     same images at the same indices. Without augmentation, the DataLoader is only plumbing."""
     idx = tmp_path / "idx"
     idx.mkdir()
-    paths = common.find_files(DATA)
-    for (images_file, labels_file), n, (images_path, labels_path) in zip(
-            (common.FILES[:2], common.FILES[2:]), (TRAIN, VAL), (paths[:2], paths[2:])):
-        pixels, labels = common.read_idx(images_path, (28, 28))[:n], common.read_idx(labels_path, ())[:n]
+    for (images_file, labels_file), n, train in zip((common.FILES[:2], common.FILES[2:]), (TRAIN, VAL), (True, False)):
+        data = FashionMNIST(DATA, train=train)
+        pixels, labels = data.data[:n], data.targets[:n]
         order = sorted(range(n), key=lambda i: (int(labels[i]), i))
         write_idx(idx / images_file, pixels[order].contiguous())
-        write_idx(idx / labels_file, labels[order].contiguous())
+        write_idx(idx / labels_file, labels[order].to(torch.uint8).contiguous())
     flags = ["--max-steps", "4", "--batch-size", "16", "--epochs", "2"]
     memory = run(["python", "ddp_resnet.py", "--data-dir", str(idx), "--out", str(tmp_path / "m")] + flags)
-    folder = run(["python", "ddp_resnet.py", "--data-dir", str(images), "--no-augment", "--arch", "fashion_resnet18",
-                  "--image-size", "28", "--workers", "2", "--out", str(tmp_path / "f")] + flags)
+    folder = run(["python", "ddp_resnet.py", "--data-dir", str(images), "--no-augment", "--image-size", "28",
+                  "--workers", "2", "--out", str(tmp_path / "f")] + flags)
     assert_ok(memory)
     assert_ok(folder)
-    assert "Fashion-MNIST in memory" in memory.stdout and "from disk" in folder.stdout
     assert_same_weights(load_model(tmp_path / "m"), load_model(tmp_path / "f"), tol=1e-6)
     accuracy = [json.load(open(tmp_path / out / "metrics.json"))["test_acc"] for out in "mf"]
     assert accuracy[0] == accuracy[1]
@@ -84,8 +82,9 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     """The same picture at different indices, epochs, ranks or workers is cropped differently;
     the same (epoch, index) is cropped alike again, whoever loads it, as after a resume. Loading
     (in the training process with --workers 0) leaves its generators as they were, the GPU's too."""
-    train, _ = common.image_folders(str(images), 24, 1, True, 0, None, None)
-    train.dataset.samples = [train.dataset.samples[0]] * 32   # one picture, 32 times
+    folder, _, _ = common.image_folders(str(images), 24, True)
+    folder.samples = [folder.samples[0]] * 32   # one picture, 32 times
+    train = common.Seeded(folder, 0)
     before, gpu_seeded = torch.get_rng_state(), []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: gpu_seeded.append(seed))
     train.epoch.fill_(1)
@@ -112,10 +111,10 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
 def test_a_subset_of_a_folder_spans_its_classes(images):
     """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48
     (which come from the first five classes)."""
-    whole, _ = common.image_folders(str(images), 28, 1, False, 0, None, None)
-    assert len({label for _, label in whole.dataset.samples[:48]}) <= 5
-    subset, _ = common.image_folders(str(images), 28, 1, False, 0, 48, None)
-    assert len(subset) == 48 and {label for _, label in subset.dataset.samples} == set(range(10))
+    whole, _, _ = common.image_folders(str(images), 28, False)
+    assert len({label for _, label in whole.samples[:48]}) <= 5
+    subset, _, _ = common.image_folders(str(images), 28, False, train_samples=48)
+    assert len(subset) == 48 and {label for _, label in subset.samples} == set(range(10))
 
 
 # ---------------------------------------------------------------- resume, evaluation, uneven data
@@ -182,15 +181,15 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
     the same weights over all 61. 96 training images in global batches of 27 (9 a rank): 3 batches,
     15 images left out each epoch, said."""
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py", "--data-dir", str(images),
-                  "--arch", "fashion_resnet18", "--batch-size", "27", "--epochs", "2", "--workers", "1",
+                  "--image-size", "28", "--batch-size", "27", "--epochs", "2", "--workers", "1",
                   "--out", str(tmp_path)], timeout=300)
     assert_ok(result)
     assert "96 training images make 3 global batches of 27 per epoch: 15 are left out of each epoch" in result.stdout
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert metrics["test_samples"] == VAL and metrics["steps"] == 6
-    net = common.resnet("fashion_resnet18", 10, 0)
+    net = fashion_resnet(0)
     net.load_state_dict(load_model(tmp_path))
-    _, val = common.image_folders(str(images), 28, 1, False, 0, None, None)
+    _, val, _ = common.image_folders(str(images), 28, False)
     cpu = torch.device("cpu")
     assert metrics["test_acc"] == common.accuracy(net.eval(), common.test_loader(val, 0, 1, cpu), cpu, 1)
 
@@ -199,10 +198,10 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
 def break_folder(case, folder):
     """Make `folder` (a copy of the image folder) bad in one way; return the path the error must name."""
     train, val = folder / "train", folder / "val"
-    first = sorted((train / "0_t-shirt_top").iterdir())[0]
+    second = sorted((train / "0_t-shirt_top").iterdir())[1]   # the first is opened to see its mode (grayscale)
     if case == "truncated image":
-        first.write_bytes(first.read_bytes()[:100])
-        return first
+        second.write_bytes(second.read_bytes()[:100])
+        return second
     if case == "empty class":
         (train / "10_extra").mkdir()
         (val / "10_extra").mkdir()
@@ -221,9 +220,10 @@ def break_folder(case, folder):
 
 @pytest.mark.parametrize("case", ["truncated image", "empty class", "other classes",
                                   "fewer than one batch", "neither"])
-def test_bad_image_folders_are_named_in_one_line(images, case, tmp_path):
-    """Exit status 1, one line naming the file or folder, no traceback, nothing written over. The
-    truncated image is read by a worker process (all 96 are in the first batch)."""
+def test_bad_image_folders_are_named(images, case, tmp_path):
+    """Exit status 1, one line naming the folder, no traceback, nothing written over. The truncated image is
+    read by a worker process (all 96 are in the first batch): its error, which names the file, comes with the
+    worker's traceback, as DataLoader raises it."""
     folder = tmp_path / "data"
     shutil.copytree(images, folder)
     named = break_folder(case, folder)
@@ -231,9 +231,71 @@ def test_bad_image_folders_are_named_in_one_line(images, case, tmp_path):
     out.mkdir()
     (out / "metrics.json").write_text("an earlier run's")
     batch = "200" if case == "fewer than one batch" else "96"
-    result = run(["python", "ddp_resnet.py", "--data-dir", str(folder), "--arch", "fashion_resnet18", "--workers", "2",
+    result = run(["python", "ddp_resnet.py", "--data-dir", str(folder), "--image-size", "28", "--workers", "2",
                   "--batch-size", batch, "--max-steps", "1", "--out", str(out)], timeout=120)
     assert result.returncode == 1, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], result.stderr[-2000:]
+    if case == "truncated image":
+        assert f"RuntimeError: error: cannot read {named} (" in result.stderr, result.stderr[-2000:]
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error: ") and str(named) in lines[0], result.stderr[-2000:]
     assert os.listdir(out) == ["metrics.json"] and (out / "metrics.json").read_text() == "an earlier run's"
+
+
+# ---------------------------------------------------------------- your own Dataset, in one edit
+YOUR_DATA = '''class Pictures(torch.utils.data.Dataset):
+    """CIFAR's shape: 3x32x32 image tensors and 10 classes; flipped at random, with torch's generator."""
+    def __init__(self, n, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.rand(n, 3, 32, 32, generator=generator)
+        self.labels = torch.randint(0, 10, (n,), generator=generator)
+    def __len__(self):
+        return len(self.labels)
+    def __getitem__(self, index):
+        image = self.images[index]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        return image, int(self.labels[index])
+
+def datasets(args):
+    return Pictures(96, seed=1), Pictures(40, seed=2), 10
+
+'''
+
+
+def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tmp_path):
+    """ddp_resnet.py and common.py copied, and the one edit the README shows: the section where the data goes
+    replaced by a Dataset of CIFAR's shape made here, its random flips drawn from torch's generator. Two ranks
+    with 2 workers each, stopped by SIGTERM mid-epoch and resumed, end with the weights of a run never
+    stopped; the model is made for 3x32x32 images (a 3x3 stem)."""
+    page = open(os.path.join(HERE, "ddp_resnet.py")).read()
+    start = page.index("def datasets(args):")
+    end = page.index("# ---------------------------------------------------------------- checkpoints")
+    copy = tmp_path / "job"
+    copy.mkdir()
+    (copy / "ddp_resnet.py").write_text(page[:start] + YOUR_DATA + page[end:])
+    shutil.copy(os.path.join(HERE, "common.py"), copy)
+    flags = ["--batch-size", "16", "--epochs", "2", "--workers", "2", "--checkpoint-every", "2", "--lr", "0.01"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    whole = subprocess.run(torchrun + flags + ["--out", "whole"], cwd=copy, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "resnet18 for (3, 32, 32) images" in whole.stdout
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        job = subprocess.Popen(torchrun + flags + ["--out", "parts"], cwd=copy, stdout=f, stderr=subprocess.STDOUT,
+                               env={**env, "PYTHONUNBUFFERED": "1"})
+        wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
+        for pid in descendants_of(job.pid):   # every rank and worker, as SLURM signals a job
+            os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=120)
+    text = read(log)
+    assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
+    stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert 2 <= stopped_at < 6, text[-3000:]   # inside the first epoch: 6 steps an epoch
+    resumed = subprocess.run(torchrun + flags + ["--out", "parts", "--resume"], cwd=copy, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"epoch 1 at batch {stopped_at}/6, step {stopped_at}" in resumed.stdout
+    assert_same_weights(load_model(copy / "whole"), load_model(copy / "parts"), tol=1e-6)

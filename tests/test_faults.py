@@ -10,7 +10,7 @@ import ddp_resnet
 import ddp_toy
 import fsdp_resnet
 from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
-                      load_model, read, run, wait_for)
+                     fashion_resnet, load_model, read, run, wait_for)
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
@@ -32,7 +32,6 @@ def test_sigterm_mid_epoch_checkpoints_and_exits_75_then_resume_finishes_the_sam
         job.wait(timeout=120)
     text = read(log)
     assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
-    assert "traceback : stopped by SIGTERM at step" in text.split("Root Cause")[1]   # torchrun's summary says why
     stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
     assert 2 <= stopped_at < 6   # inside the first epoch
     resumed = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--resume", "--out",
@@ -133,36 +132,31 @@ def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(re
     assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 96]
 
 
-# ---------------------------------------------------------------- a rank fails: one line from each, no traceback
-def no_traceback_from_a_rank(output):
-    """torchrun prints its own ChildFailedError traceback; no frame of ours may appear."""
-    ours = re.compile(r'File "' + re.escape(HERE) + r'/[^/"]+\.py"')   # a frame of a script or common.py
-    return not ours.search(output) and "[rank0]:" not in output and "[rank1]:" not in output
-
-
+# ---------------------------------------------------------------- a rank fails: torchrun's conventions
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py", "diloco_resnet.py"])
-def test_a_rank_that_fails_says_why_once_and_its_peer_says_it_stops(script, tmp_path):
-    """Rank 1's first batch holds a truncated image: rank 1 says which file, rank 0 (waiting in a
-    collective) says another rank failed and where the checkpoint would be, neither shows a
-    traceback, and torchrun's summary names rank 1's line as the root cause (its error file)."""
+def test_a_failed_ranks_reason_reaches_torchruns_summary_and_its_peer_ends_at_once(script, tmp_path):
+    """Rank 1's first batch holds a truncated image, read by a DataLoader worker. Rank 1's error, which names
+    the file, reaches torchrun's summary through its error file (@record on main); rank 0, waiting in a
+    collective, ends at once with what torch says (gloo sees the connection close), and no rank aborts."""
     folder = tmp_path / "images"
     write_images(DATA, str(folder), 32, 20)
-    train, _ = common.image_folders(str(folder), 28, 1, True, 0, None, None)
-    sampler = common.ResumableSampler(train, 4, rank=1, world_size=2, seed=0)
+    train, _, _ = common.image_folders(str(folder), 28, True)
+    sampler = common.ResumableSampler(common.Seeded(train, 0), 4, rank=1, world_size=2, seed=0)
     sampler.set_epoch(1)
-    bad = train.dataset.samples[next(iter(sampler))][0]   # rank 1's first image
+    first = next(iter(sampler))
+    assert first != 0   # image 0 is opened by both ranks before training, to see its mode
+    bad = train.samples[first][0]   # rank 1's first image
     with open(bad, "r+b") as f:
         f.truncate(60)
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--data-dir", str(folder), "--arch",
-                  "fashion_resnet18", "--workers", "1", "--batch-size", "8", "--max-steps", "2",
-                  "--out", str(tmp_path / "out")], timeout=120)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert no_traceback_from_a_rank(output), output[-4000:]
-    assert result.stderr.count(f"error: cannot read {bad}") == 2, output[-4000:]   # rank 1's line, and torchrun's
-    assert "rank 0: stopping: another rank failed or left" in result.stderr, output[-4000:]
-    root_cause = result.stderr.split("Root Cause")[1]
-    assert "rank      : 1 " in root_cause and f"traceback : error: cannot read {bad}" in root_cause, root_cause
+    started = time.time()
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--data-dir", str(folder), "--image-size",
+                  "28", "--workers", "1", "--batch-size", "8", "--max-steps", "2", "--out", str(tmp_path / "out")],
+                 timeout=120)
+    assert result.returncode != 0 and time.time() - started < 60
+    summary = result.stderr.split("ChildFailedError")[-1]   # torchrun's
+    assert f"error: cannot read {bad}" in summary and "rank      : 1 (local_rank: 1)" in summary, summary[-4000:]
+    for abort in ("SIGABRT", "terminate called"):
+        assert abort not in result.stdout + result.stderr, result.stderr[-4000:]
 
 
 def rank_pids(job):
@@ -175,46 +169,23 @@ def rank_pids(job):
     return ranks
 
 
-def start_long_ddp_run(tmp_path):
+def test_a_killed_rank_leaves_its_peer_to_end_at_once(tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0's next collective fails at once (gloo sees the connection close), and
+    it ends with what torch says; torchrun names the killed rank; no rank aborts, nothing waits for a timeout."""
     log = tmp_path / "log"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                             "ddp_resnet.py", "--train-samples", "512", "--batch-size", "16", "--test-samples", "50",
                             "--checkpoint-every", "2", "--data-dir", DATA, "--out", str(tmp_path)], cwd=HERE,
                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
-    return job, log
-
-
-def test_a_killed_rank_leaves_its_peer_one_line_naming_the_checkpoint(tmp_path):
-    """kill -9 of rank 1 mid-run: rank 0's next collective fails; it says so in one line with the
-    command's next step (--resume from the last checkpoint) and exits, no traceback."""
-    job, log = start_long_ddp_run(tmp_path)
     os.kill(rank_pids(job)[1], signal.SIGKILL)
+    started = time.time()
     assert job.wait(timeout=60) != 0
+    assert time.time() - started < 30   # torchrun's own grace before it kills a rank is 30 s
     text = read(log)
-    assert no_traceback_from_a_rank(text), text[-4000:]
-    assert "rank 0: stopping: another rank failed or left" in text, text[-4000:]
-    checkpoint = tmp_path / "checkpoint.pt"
-    assert f"run again with --resume to go on from the last checkpoint, {checkpoint}" in text, text[-4000:]
-
-
-def test_sigterm_to_a_rank_stuck_in_a_collective_ends_it_within_the_grace(tmp_path):
-    """Rank 1 stopped (SIGSTOP): rank 0 blocks in a collective, where no Python signal handler
-    runs. SIGTERM to rank 0 (what torchrun sends when another rank failed) still ends it, with its
-    line, after the grace (10 s plus three steps), not at gloo's 30-minute timeout."""
-    job, log = start_long_ddp_run(tmp_path)
-    ranks = rank_pids(job)
-    os.kill(ranks[1], signal.SIGSTOP)
-    try:
-        time.sleep(2)   # rank 0 is now waiting for rank 1
-        os.kill(ranks[0], signal.SIGTERM)
-        wait_for(lambda: "did not agree to stop" in read(log), 60, "rank 0's line")
-    finally:
-        os.kill(ranks[1], signal.SIGKILL)
-    job.wait(timeout=60)
-    text = read(log)
-    assert no_traceback_from_a_rank(text), text[-4000:]
-    assert "rank 0: stopping: SIGTERM came and the ranks did not agree to stop within" in text, text[-4000:]
+    assert "exitcode  : -9" in text and "SIGKILL" in text, text[-4000:]
+    for abort in ("SIGABRT", "terminate called"):
+        assert abort not in text, text[-4000:]
 
 
 # ---------------------------------------------------------------- several nodes, each with its own disk
@@ -231,47 +202,40 @@ def two_nodes(folders, flags, timeout=120):
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
 
 
-@pytest.mark.parametrize("node_1_has", ["nothing", "a truncated file", "other images", "a file as --data-dir"])
+@pytest.mark.parametrize("node_1_has", ["nothing", "a truncated file", "a file as --data-dir"])
 def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(node_1_has, tmp_path):
     """The README's several-machines command in two empty folders (default --data-dir data): each
     node's first process fetches its own copy, and both train. A problem only node 1 has (a
-    truncated file; other images than node 0's) is said by node 1 with its rank, and node 0 stops
-    with one line at once, not after --init-timeout."""
+    truncated file; a file where the folder should be) is said by node 1, and node 0 stops with one
+    line at once, not at a timeout."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for folder in folders:
         folder.mkdir()
     if node_1_has == "a file as --data-dir":   # not a folder: it must not fall back on another copy
         (folders[1] / "data").write_text("not a folder")
-    elif node_1_has != "nothing":
-        shutil.copytree(DATA, folders[1] / "data", ignore=shutil.ignore_patterns("FashionMNIST"))
+    elif node_1_has == "a truncated file":
+        (folders[1] / "data").mkdir()
+        for name in common.FILES:
+            shutil.copy(os.path.join(DATA, name), folders[1] / "data" / name)
         first_labels = folders[1] / "data" / "train-labels-idx1-ubyte.gz"
-        if node_1_has == "a truncated file":
-            first_labels.write_bytes(first_labels.read_bytes()[:100])
-        else:   # the test set's labels where the training set's should be
-            shutil.copy(folders[1] / "data" / "t10k-labels-idx1-ubyte.gz", first_labels)
-            shutil.copy(folders[1] / "data" / "t10k-images-idx3-ubyte.gz",
-                        folders[1] / "data" / "train-images-idx3-ubyte.gz")
+        first_labels.write_bytes(first_labels.read_bytes()[:100])
     started = time.time()
     (code0, out0, err0), (code1, out1, err1) = two_nodes(
-        folders, ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--max-steps", "1",
-                  "--init-timeout", "120"])
+        folders, ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--max-steps", "1"])
     if node_1_has == "nothing":
         assert code0 == 0 and code1 == 0, (err0 + err1)[-3000:]
         assert "done: 1 steps" in out0
         return
     assert code0 != 0 and code1 != 0
-    assert time.time() - started < 60   # both stopped long before --init-timeout
-    if node_1_has == "a truncated file":   # node 1 names itself and the file; node 0 says why it stops
-        truncated = f"rank 1 ({os.uname().nodename}): error: data/train-labels-idx1-ubyte.gz is truncated"
-        assert truncated in err1, err1[-3000:]
-        assert "rank 0: stopping: rank 1 cannot go on" in err0, err0[-3000:]
-    elif node_1_has == "a file as --data-dir":
-        assert f"rank 1 ({os.uname().nodename}): error: --data-dir data is not a folder" in err1, err1[-3000:]
-        assert "rank 0: stopping: rank 1 cannot go on" in err0, err0[-3000:]
-    else:   # a problem of both, said once
-        assert "error: rank 1 sees other data than rank 0" in err0 and "sees other data" not in err1, err1[-3000:]
-    assert no_traceback_from_a_rank(err0 + err1), (err0 + err1)[-3000:]
-    for said in ("terminate called", "recvBytes", "TCPStore"):   # no abort, no C++ frames from the store
+    assert time.time() - started < 60   # both stopped at once
+    if node_1_has == "a truncated file":   # node 1 names the file; node 0 says why it stops
+        assert "error: data/train-labels-idx1-ubyte.gz is truncated or corrupt" in err1, err1[-3000:]
+    else:
+        assert "error: --data-dir data is not a folder" in err1, err1[-3000:]
+    assert "stopping: rank 1 cannot go on (its line says why)" in err0, err0[-3000:]
+    ours = re.compile(r'File "' + re.escape(HERE) + r'/[^/"]+\.py"')   # a frame of a script or common.py
+    assert not ours.search(err0 + err1), (err0 + err1)[-3000:]   # refusals: torchrun's own report, no traceback of ours
+    for said in ("terminate called", "SIGABRT"):
         assert said not in err0 + err1, (err0 + err1)[-3000:]
 
 
@@ -336,7 +300,7 @@ def test_mid_epoch_checkpoint_resumes_at_another_world_size(
     result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE)
     assert_ok(result)
     assert "epoch 1 at batch 2/6, step 2" in result.stdout
-    got, params = load_model(tmp_path), dict(common.resnet("fashion_resnet18", 10, 0).named_parameters())
+    got, params = load_model(tmp_path), dict(fashion_resnet(0).named_parameters())
     assert_same_weights({k: got[k] for k in params}, {k: resnet_uninterrupted[k] for k in params})
 
 
@@ -388,7 +352,6 @@ def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
     assert result.returncode != 0
     ranks_said, torchrun_said = result.stderr.split("ChildFailedError", 1)
     assert ranks_said.count(expected) == 1, result.stderr[-3000:]   # rank 0 alone says it
-    assert expected in torchrun_said.split("Root Cause")[1]   # and torchrun names it, from rank 0's error file
     assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)   # torchrun's own report aside, no traceback
 
 
@@ -401,27 +364,6 @@ def test_checkpoint_every_must_be_positive(capsys):
 
 
 # ---------------------------------------------------------------- joining, timeouts, ports, bad input
-def test_short_rendezvous_timeout_leaves_collectives_their_own():
-    """--init-timeout 2 bounds the rendezvous only: rank 0 then works 6 s (a slow checkpoint)
-    while rank 1 waits in a barrier, and both go on."""
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py",
-                  "slow-barrier", "2", "6"], timeout=120)
-    assert_ok(result)
-    assert result.stdout.count("barrier passed") == 2
-
-
-def test_partner_that_never_comes_gives_an_error_not_a_hang():
-    port = common.free_port()
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    started = time.time()
-    result = run(["python", "ddp_toy.py", "--init-timeout", "3"], env=env, timeout=60)
-    took = time.time() - started
-    assert result.returncode != 0
-    assert f"127.0.0.1:{port}" in result.stderr and "world size 2" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert took < 3 + 15   # the timeout, plus starting Python and importing torch
-
-
 def test_two_jobs_side_by_side_both_finish(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     commands = [[sys.executable, "ddp_toy.py", "--epochs", "2"],
@@ -444,18 +386,23 @@ def test_data_is_prepared_once_per_node(tmp_path):
     files = sorted(p.name for p in fresh.rglob("*") if p.is_file())
     assert not any(".tmp" in f for f in files), files
     assert len(common.fashion_mnist(str(fresh))[0]) == 60000
+    assert sorted(os.listdir(fresh / "FashionMNIST" / "raw")) == sorted(name[:-3] for name in common.FILES)
 
 
 @pytest.mark.parametrize("case", ["data-dir-is-a-file", "out-not-writable"])
 def test_unusable_folders_are_named(case, tmp_path):
+    """A --data-dir that is a file: refused in one line. An --out that cannot be made: Python's error names it,
+    before training."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     flags = (["--data-dir", str(blocker)] if case == "data-dir-is-a-file" else
              ["--data-dir", DATA, "--out", str(blocker / "out")])
     result = run(["python", "ddp_resnet.py", "--max-steps", "1"] + flags, env=OFFLINE)
-    assert result.returncode != 0
-    assert str(blocker) in result.stderr and "error:" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode != 0 and "ddp_resnet:" not in result.stdout
+    if case == "data-dir-is-a-file":
+        assert result.stderr.strip() == f"error: --data-dir {blocker} is not a folder"
+    else:
+        assert f"NotADirectoryError: [Errno 20] Not a directory: '{blocker}/out'" in result.stderr, result.stderr
 
 
 def test_batch_not_dividing_by_world_size_is_refused(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import common
 import scratch_lenet
-from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, load_model,
-                     resnet_reference, resnet_step, run)
+from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
+                     load_model, resnet_reference, resnet_step, run)
 
 
 def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
@@ -85,7 +85,7 @@ def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py"] + RESNET +
                  ["--batch-size", "15", "--out", str(tmp_path)])
     assert_ok(result)
-    net = common.resnet("fashion_resnet18", 10, 0)
+    net = fashion_resnet(0)
     net.load_state_dict(load_model(tmp_path))
     test_set = common.fashion_mnist(DATA, 1, 101)[1]
     cpu = torch.device("cpu")
@@ -140,6 +140,6 @@ def test_any_seed_seeds_the_augmentation():
             return 4
         def __getitem__(self, index):
             return torch.rand(3)
-    draws = {seed: common.SeededImages(Draws(), seed)[2] for seed in (0, 18_447, 2**70, -5)}
+    draws = {seed: common.Seeded(Draws(), seed)[2] for seed in (0, 18_447, 2**70, -5)}
     assert len({tuple(d.tolist()) for d in draws.values()}) == 4
-    assert torch.equal(common.SeededImages(Draws(), 2**70)[2], draws[2**70])
+    assert torch.equal(common.Seeded(Draws(), 2**70)[2], draws[2**70])

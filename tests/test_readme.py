@@ -1,5 +1,5 @@
-"""The README says what is true: the tests it cites exist, its commands name files and flags that
-exist, and the tags that mark distribution-only lines come from the list it gives."""
+"""The README says what is true: the tests it cites exist, its commands (and those of examples/README.md) name
+files and flags that exist, and the tags that mark distribution-only lines come from the list it gives."""
 import glob, os, re
 import pytest
 from helpers import HERE
@@ -14,8 +14,9 @@ COMMUNICATES = re.compile(r"\bdist\.(?!get_backend)\w+\(|fully_shard\(|\bDDP\(|"
                           r"nn\.DataParallel\(|dcp\.(save|load)\(")
 
 def readme_commands():
-    """(script, arguments, launched by torchrun) for every command in README.md's code blocks."""
-    text = open(os.path.join(HERE, "README.md")).read()
+    """(script, arguments, launched by torchrun) for every command in the code blocks of README.md and of
+    examples/README.md, which it links."""
+    text = open(os.path.join(HERE, "README.md")).read() + open(os.path.join(HERE, "examples", "README.md")).read()
     blocks = text.split("```")[1::2]
     for line in (l.split(" #")[0].strip() for block in blocks for l in block.splitlines()[1:]):
         words = next((part for part in line.split(";") if ".py" in part), line).split()   # a shell loop's command

@@ -3,12 +3,11 @@ DDP's compression hooks step the fp32 way, and what they and FSDP hand to collec
 right."""
 import json
 import pytest
-import common
-from helpers import (DATA, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, load_model,
+from helpers import (DATA, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, fashion_resnet, load_model,
                      resnet_reference, resnet_step, run)
 
-RESNET_BYTES = 4 * sum(p.numel() for p in common.resnet("fashion_resnet18", 10, 0).parameters())   # 44,691,240
-BUFFER_BYTES = sum(b.numel() * b.element_size() for b in common.resnet("fashion_resnet18", 10, 0).buffers())
+RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
+BUFFER_BYTES = sum(b.numel() * b.element_size() for b in fashion_resnet(0).buffers())
 
 
 def metrics(out):

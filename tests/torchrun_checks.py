@@ -1,7 +1,7 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
-CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-barrier RENDEZVOUS_TIMEOUT
-WORK_SECONDS, slow-checkpoint SCRIPT ARGS...), from the repo root."""
+CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-checkpoint SCRIPT
+ARGS...), from the repo root."""
 import atexit, gc, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
@@ -59,20 +59,20 @@ def overlap_order():
     dist.destroy_process_group()
 
 
-def join(rendezvous_timeout):
+def join():
     """This process's place in the CPU (gloo) group that torchrun describes."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=common.rendezvous_store(rendezvous_timeout), rank=rank, world_size=world_size)
-    return rank, world_size
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def fsdp_load(checkpoint, out):
     """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
     write the whole model it then holds."""
-    rank, world_size = join(60)
+    rank, world_size = join()
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
-    model = fsdp_resnet.shard(common.resnet("fashion_resnet18", 10, 1), mesh, amp=False)   # other weights
+    other = common.resnet("resnet18", 10, 1, channels=1, image_size=28)   # other weights than those saved
+    model = fsdp_resnet.shard(other, mesh, amp=False)
     optimizer, scheduler = common.sgd_recipe(model, 0.1, 5e-4, 0, 1)
     fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, scheduler, rank, world_size)
     state = fsdp_resnet.full_state_dict(model)
@@ -85,7 +85,7 @@ def fsdp_sent(hsdp):
     """Under torchrun: count what one training step of fsdp_resnet's sharded ResNet hands to
     torch.distributed's all-gather, reduce-scatter and all-reduce (patched here, in this test
     process only), and print it beside what fsdp_resnet.bytes_sent_per_step computes from the shards' sizes."""
-    rank, world_size = join(60)
+    rank, world_size = join()
     counted = {}
     def counting(name, collective):
         def call(*args, **kwargs):
@@ -104,7 +104,7 @@ def fsdp_sent(hsdp):
     mesh = fsdp_resnet.device_mesh(device, world_size, shard_size, hsdp == "hsdp")
     def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
-        model = fsdp_resnet.shard(common.resnet("fashion_resnet18", 10, 0), mesh, amp)
+        model = fsdp_resnet.shard(common.resnet("resnet18", 10, 0, channels=1, image_size=28), mesh, amp)
         computed = fsdp_resnet.bytes_sent_per_step(model, mesh, amp)
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
@@ -132,17 +132,6 @@ def threads_left(script, *argv):
     print("threads left:", thread_names(), flush=True)
 
 
-def slow_barrier(rendezvous_timeout, work_seconds):
-    """Under torchrun: join with a short rendezvous timeout, then rank 0 works while the others wait."""
-    rank, _ = join(float(rendezvous_timeout))
-    if rank == 0:
-        time.sleep(float(work_seconds))
-    torch.distributed.barrier()
-    print("barrier passed", flush=True)
-    torch.distributed.destroy_process_group()
-
-
-
 def slow_checkpoint(script, *argv):
     """Run this rank of `script`, each checkpoint file written 3 s late (on a slow disk); at exit, print
     the step of the checkpoint on disk."""
@@ -163,6 +152,6 @@ def slow_checkpoint(script, *argv):
 
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
-              "threads-left": threads_left, "slow-barrier": slow_barrier, "fsdp-sent": fsdp_sent,
+              "threads-left": threads_left, "fsdp-sent": fsdp_sent,
               "slow-checkpoint": slow_checkpoint}
     checks[sys.argv[1]](*sys.argv[2:])
