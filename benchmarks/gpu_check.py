@@ -9,7 +9,7 @@ they share it) with CUDA tensors: how a one-GPU machine tries several ranks. scr
 fsdp_resnet.py refuse gloo with CUDA tensors in one line (gloo cannot send them point to point; FSDP2 over
 gloo crashed with them), and their rows check that refusal. Also: --amp, --channels-last, --compile,
 --sync-bn, compressed gradients, an image folder read by DataLoader workers, a SIGTERM stop of ddp_resnet.py
-and its --resume, and one full run of `python ddp_resnet.py` as the README gives it. ft_ddp_resnet.py trains
+and its --resume, and the README's full run, `torchrun --nproc_per_node=1 ddp_resnet.py`. ft_ddp_resnet.py trains
 on the CPU by design and has no row. Each row's output is in runs/gpu_check/<row>.log; samples/s of a short
 row include its first steps (cuDNN's autotuning, compiling).
 """
@@ -149,8 +149,8 @@ def main():
             "stopped by SIGTERM at step" in log and "exitcode  : 75" in log), out=out, until="checkpoint: step 20 ")
         check("ddp_resnet --resume", launcher, flags + ["--resume"], lambda status, metrics, log: (
             status == 0 and "resumed from" in log), out=out)
-    if not args.only or "python ddp_resnet.py".startswith(args.only):
-        check("python ddp_resnet.py (the README's, 5 epochs)", "python", ["ddp_resnet.py"],
+    if not args.only or "ddp_resnet, the README's".startswith(args.only):
+        check("ddp_resnet, the README's full run (5 epochs)", 1, ["ddp_resnet.py"],
               lambda status, metrics, log: status == 0 and metrics is not None, out=os.path.join(OUT, "full"))
     for name, log in failed:
         print(f"\n== {name}: the end of its output\n" + "\n".join(log.splitlines()[-25:]))
