@@ -5,7 +5,7 @@ import time, traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
-from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
+import matplotlib   # noqa: F401  curves.png is drawn with it at the end: missing, a run stops at its start
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
 # ---------------------------------------------------------------- the device and the group
@@ -419,6 +419,7 @@ def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):   # totals
 
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
     """metrics.json, model.pt, curves.png and the closing line (rank 0); sent_per_step: bytes by collective."""
+    from matplotlib.figure import Figure   # drawn without pyplot: no display, no window
     by = {k: round(v) for k, v in sent_per_step.items()}
     epochs, out = metrics["epochs"], metrics["config"]["out"]
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,

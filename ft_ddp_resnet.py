@@ -4,17 +4,16 @@
     python ft_ddp_resnet.py --serve HOST:PORT --run-id r1       # the coordinator: trains nothing
     until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
 
-The last line is a member, restarted until it finishes (0) or fails for good (1): start as many as
-you like, anywhere, whenever you like. Before every step the live members agree on who takes part
-(a quorum, one generation); when that changes, each makes a new process group over the
-coordinator's store, and a member behind receives the state of the one furthest ahead. The
-gradient is the sum of each micro-batch's mean-loss gradient, divided by their count, summed in
-float64: any members, any faults, give the same weights bit for bit. A step is applied by all its
-members or by none (each votes after the allreduce; the coordinator commits only if all voted yes).
-Lost, the coordinator costs each member a restart from its checkpoint (exit 75; the loop above
-brings it back once the coordinator is served again with the same --run-id). No
-DistributedDataParallel: a failed allreduce leaves its reducer in a state it does not recover from.
-Lines that exist only because members may come and go are tagged `# FT:`.
+The last line is a member, restarted until it finishes (0) or fails for good (1): start as many as you like,
+anywhere, whenever you like. Before every step the live members agree on who takes part (a quorum, one
+generation); when that changes, each makes a new process group over the coordinator's store, and a member behind
+receives the state of the one furthest ahead. The gradient is the sum of each micro-batch's mean-loss gradient,
+divided by their count, summed in float64: any members, any faults, give the same weights bit for bit. A step is
+applied by all its members or by none (each votes after the allreduce; the coordinator commits only if all voted
+yes). Lost, the coordinator costs each member a restart from its checkpoint (exit 75; the loop above brings it
+back once the coordinator is served again with the same --run-id). No DistributedDataParallel: a failed allreduce
+leaves its reducer in a state it does not recover from. Lines that exist only because members may come and go
+are tagged `# FT:`.
 """
 import argparse, contextlib, copy, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
 import signal, socket, sys, threading, time, zlib
@@ -25,6 +24,8 @@ import common
 
 RUN_FLAGS = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "max_steps", "lr", "weight_decay",
              "warmup_epochs", "amp", "sums", "member_timeout", "min_members")   # what every member must share
+MAY_DIFFER = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join", "init_timeout", "data_dir",
+              "test_samples", "min_members", "member_timeout", "store_port", "run_id")   # a resume's own
 
 # ---------------------------------------------------------------- the wire: JSON lines, and only the run's members
 MAX_LINE = 1 << 16   # no message of this protocol is longer: a longer line is refused
@@ -80,7 +81,6 @@ class Coordinator:
                     "finished": None}
         print(f"coordinator: run {self.run_id}: members join at {host}:{port}, their groups meet at {host}:"
               f"{self.store.port}; to continue it after a restart: --run-id {self.run_id}", flush=True)
-
     def serve(self):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
@@ -103,7 +103,6 @@ class Coordinator:
                     self.close(cid, line)
             if self.over(now, timeout):
                 return
-
     # ---- connections
     def send(self, conn, message):   # never blocks: a connection that cannot take a small message is lost
         data = (json.dumps(message) + "\n").encode()
@@ -112,17 +111,14 @@ class Coordinator:
                 raise BlockingIOError
         except OSError:
             conn.setdefault("lost", "its connection failed")
-
     def close(self, cid, line=None):
         conn = self.conns.pop(cid)
         self.selector.unregister(conn["sock"])
         conn["sock"].close()
         if line:
             print(f"coordinator: {line}", flush=True)
-
     def name(self, conn):
         return f"member {conn['id']}" if conn.get("joined") else f"the connection from {conn['peer']}"
-
     def accept(self):
         with contextlib.suppress(BlockingIOError):
             sock, peer = self.listener.accept()
@@ -137,7 +133,6 @@ class Coordinator:
             if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
                 unproven[0]["lost"] = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
             self.send(conn, {"challenge": conn["challenge"]})
-
     def read(self, cid):
         conn = self.conns[cid]
         try:
@@ -161,7 +156,6 @@ class Coordinator:
                 raise ValueError(f"a line longer than {MAX_LINE} bytes")
         except ValueError as e:
             conn["lost"] = f"refused: {e}"
-
     def handle(self, conn, message):
         op = message["op"]
         if not conn.get("joined"):
@@ -180,7 +174,6 @@ class Coordinator:
         else:
             self.send(conn, {"dropped": conn["dropped"]})
             conn["lost"] = "was told it had been dropped"
-
     def join(self, conn, message):
         """A connection that proves it knows the secret joins, if its flags and its checkpoint's run agree."""
         if not hmac.compare_digest(message["proof"], proof(self.secret, conn["challenge"])):
@@ -209,7 +202,6 @@ class Coordinator:
         self.send(conn, answer)
         if not conn.get("joined"):
             conn["lost"] = "was answered and let go"
-
     # ---- the decisions of a turn
     def check_connections(self, now, timeout):   # FT: who does not prove itself soon is closed; all hear a beat
         for conn in self.conns.values():
@@ -220,7 +212,6 @@ class Coordinator:
             for conn in self.conns.values():
                 if conn.get("joined"):
                     self.send(conn, {"beat": 1})
-
     def drop_stalled(self, now, timeout):
         """The live members. FT: liveness is progress. Dropped: a member that neither voted nor asked for a quorum
         within --member-timeout of one that waits; one of the generation that has not voted when a peer's
@@ -240,7 +231,6 @@ class Coordinator:
                 print(f"coordinator: {self.name(conn)} dropped: {why}", flush=True)
                 del live[i]
         return live
-
     def commit_or_not(self, live, now):   # FT: all of the generation voted yes, none gone: committed; else no one
         run = self.run
         voters = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "vote" and i in run["members"]}
@@ -269,7 +259,6 @@ class Coordinator:
             for conn in live.values():
                 self.send(conn, {"failed": line})
             raise SystemExit(1)
-
     def form_quorum(self, live):   # when every live member asks (at least --min-members for the first)
         run = self.run
         ready = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "ready"}
@@ -289,7 +278,6 @@ class Coordinator:
             ready[i]["want"] = None
             self.send(ready[i], {"gen": run["gen"], "rank": rank, "world": len(ids), "step": max(steps),
                                  "src": steps.index(max(steps)) if behind else None})
-
     def over(self, now, timeout):   # the run finished and its members left (or 10 x --member-timeout passed)
         if any(c.get("joined") and not c.get("dropped") for c in self.conns.values()):
             return False
@@ -554,20 +542,15 @@ class Member:
         self.making_since = None   # FT: when this member began making its group, while it does
         self.gen, self.generations, self.steps_here = None, 0, 0
         self.saved = load_checkpoint(args.checkpoint, self.net, self.optimizer, self.scheduler) if args.resume else None
-
     def resume(self):   # as the other scripts do it: the same training flags, or refused; False: nothing to train
-        args = self.args
-        common.resume_check(self.saved["flags"], {**vars(args), "data": self.flags["data"]}, args.checkpoint, True,
-                            may_differ=("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
-                                        "init_timeout", "data_dir", "test_samples", "min_members", "member_timeout",
-                                        "store_port", "run_id"))
+        path = self.args.checkpoint
+        common.resume_check(self.saved["flags"], {**vars(self.args), "data": self.flags["data"]}, path, True,
+                            may_differ=MAY_DIFFER)
         self.progress = {k: self.saved[k] for k in self.progress}
-        print(f"resumed from {args.checkpoint} (run {self.saved['run']}): step {self.progress['step']}", flush=True)
+        print(f"resumed from {path} (run {self.saved['run']}): step {self.progress['step']}", flush=True)
         if self.progress["step"] >= self.final_step:
-            print(f"nothing to train: {args.checkpoint} is at step {self.progress['step']}", flush=True)
-            return False
-        return True
-
+            print(f"nothing to train: {path} is at step {self.progress['step']}", flush=True)
+        return self.progress["step"] < self.final_step
     # ---- the coordinator, and leaving
     def join(self):   # FT: join the run; the coordinator gives this member its id, and the store its groups use
         host, port = self.address
@@ -578,32 +561,24 @@ class Member:
                                    timeout=datetime.timedelta(seconds=self.args.member_timeout))
         print(f"member {self.link.id}: joined run {self.link.run} at {host}:{port}, at step {self.progress['step']}",
               flush=True)
-
     def uncommitted(self):   # FT: the step is not applied: BatchNorm's running statistics back to the committed ones
         for b, committed in zip(buffers_of(self.net), self.kept):
             b.copy_(committed)
         self.kept.clear()
-
     def state(self):   # a copy of all a restart of the whole job needs: where it is, of which run, with which flags
         self.uncommitted()
         return copy.deepcopy({**self.progress, "run": self.link.run, "model": self.net.state_dict(),
                               "flags": {**vars(self.args), "data": self.flags["data"]},
                               "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
-
     def checkpoint(self, state=None):   # this member's own, of the last committed step
         saved = state or self.state()
         common.save_atomically(lambda tmp: torch.save(saved, tmp), self.args.checkpoint)
-
-    def leave(self, line, status):   # FT: this member stops; the others go on without it
-        self.checkpoint()
-        self.said(line, status)
-        sys.exit(status)
-
-    def said(self, line, status):
+    def leave(self, line, status, state=None, end=sys.exit):   # FT: this member stops; the others go on without it
+        self.checkpoint(state)
         print(f"member {self.link.id}: {line}; checkpoint of step {self.progress['step']} written to "
               f"{self.args.checkpoint}; exit status {status}", file=sys.stdout if status == common.PREEMPTED else
               sys.stderr, flush=True)
-
+        end(status)
     def watchdog(self):
         """FT: making a group waits on the store, unbounded if the coordinator hangs (SIGSTOP); a peer stopped
         mid-handshake holds gloo's connect ~5x the timeout. Past 6x this member ends, with the state copied
@@ -612,12 +587,9 @@ class Member:
             time.sleep(0.25)
             since = self.making_since
             if since and time.monotonic() - since > 6 * self.args.member_timeout:
-                self.checkpoint(self.before_group)
-                self.said(f"lost the coordinator at {self.address[0]}:{self.address[1]} (its store did not answer "
-                          f"for {6 * self.args.member_timeout:g} s); once it is back, --resume goes on",
-                          common.PREEMPTED)
-                os._exit(common.PREEMPTED)
-
+                self.leave(f"lost the coordinator at {self.address[0]}:{self.address[1]} (its store did not answer "
+                           f"for {6 * self.args.member_timeout:g} s); once it is back, --resume goes on",
+                           common.PREEMPTED, self.before_group, os._exit)
     def talk(self, message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member
         try:
             return self.link.ask(message) if message else self.link.receive()
@@ -627,7 +599,6 @@ class Member:
         except CoordinatorLost as e:
             self.leave(f"lost the coordinator at {self.address[0]}:{self.address[1]} ({e}); once it is back, "
                        f"--resume goes on", common.PREEMPTED)
-
     def answered(self, reply):   # FT: True if the step may go on; else this member rejoins, or ends
         if "over" in reply:   # it hung until the run ended, or joined during its last step
             print(f"member {self.link.id}: {reply['over']}; nothing is left to train", flush=True)
@@ -645,7 +616,6 @@ class Member:
         self.join()
         self.gen = None
         return False
-
     # ---- one step
     def new_group(self, quorum):   # FT: a new membership: a new group, on a new prefix of the store; the failure
         self.gen, self.generations = quorum["gen"], self.generations + 1
@@ -665,7 +635,6 @@ class Member:
             self.gen, problem = None, failure(e, started)
         self.making_since = None
         return problem
-
     def take_part(self, quorum, step):
         """The step: a recovery if someone is behind, this member's micro-batches, the allreduce. Returns (the
         step, recovered or not, its sums, the failure or None)."""
@@ -691,7 +660,6 @@ class Member:
                          self.args.micro_batch, mine, self.args.amp)
         step_totals, problem = exchange(self.net, self.grads, self.message, totals, 0 in mine, self.count)   # FT: sums
         return step, step_totals, problem
-
     def apply(self, step, step_totals):   # committed: the update, the position, an epoch's evaluation, a checkpoint
         self.kept.clear()
         self.optimizer.step()
@@ -714,7 +682,6 @@ class Member:
             self.timer = common.Timer(self.device)
         if self.args.checkpoint_every and self.progress["step"] % self.args.checkpoint_every == 0:
             self.checkpoint()   # after an epoch's evaluation
-
     def train(self):
         if self.saved and not self.resume():
             return self.net

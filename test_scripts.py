@@ -15,7 +15,7 @@ import fsdp_resnet
 import scratch_lenet
 import scratch_ring
 from helpers import (DATA, HERE, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     load_model, resnet_reference, run)
+                     load_model, resnet_reference, run, write_gz_files)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))
@@ -38,9 +38,7 @@ def test_fashion_mnist_is_the_real_data():
 
 def test_debian_files_are_used_when_download_fails(tmp_path, monkeypatch):
     debian = tmp_path / "debian"
-    debian.mkdir()
-    for name in common.FILES:
-        shutil.copy(os.path.join(DATA, name), debian / name)
+    write_gz_files(debian)
     monkeypatch.setattr(common, "DEBIAN_DIR", str(debian))
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
@@ -71,7 +69,7 @@ def test_missing_matplotlib_stops_the_run_before_training(tmp_path):
 
 def test_truncated_data_file_is_named(tmp_path):
     data = tmp_path / "data"
-    shutil.copytree(DATA, data, ignore=shutil.ignore_patterns("FashionMNIST"))
+    write_gz_files(data)
     with open(data / "t10k-images-idx3-ubyte.gz", "r+b") as f:
         f.truncate(100_000)
     result = run(["python", "scratch_lenet.py", "--data-dir", str(data), "--out", str(tmp_path / "out")])

@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import contextlib, copy, fcntl, functools, math, os, signal, subprocess, sys, time
+import contextlib, copy, fcntl, functools, gzip, math, os, shutil, signal, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -70,6 +70,15 @@ def fashion_mnist():
         common.fashion_mnist(DATA)
     except SystemExit as e:
         pytest.fail(str(e.code))
+
+
+def write_gz_files(folder):
+    """Fashion-MNIST's four .gz files in `folder`, as its site and Debian ship them, from DATA's unpacked ones."""
+    os.makedirs(folder, exist_ok=True)
+    for name in common.FILES:
+        with open(os.path.join(DATA, "FashionMNIST", "raw", name[:-3]), "rb") as raw:
+            with gzip.open(os.path.join(folder, name), "wb") as packed:
+                shutil.copyfileobj(raw, packed)
 
 
 def fashion_resnet(seed=0):

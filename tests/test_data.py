@@ -258,7 +258,7 @@ YOUR_DATA = '''class Pictures(torch.utils.data.Dataset):
         return image, int(self.labels[index])
 
 def datasets(args):
-    return Pictures(96, seed=1), Pictures(40, seed=2), 10
+    return Pictures(96, seed=1), Pictures(20, seed=2), 10
 
 '''
 
@@ -266,7 +266,7 @@ def datasets(args):
 def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tmp_path):
     """ddp_resnet.py and common.py copied, and the one edit the README shows: the section where the data goes
     replaced by a Dataset of CIFAR's shape made here, its random flips drawn from torch's generator. Two ranks
-    with 2 workers each, stopped by SIGTERM mid-epoch and resumed, end with the weights of a run never
+    with a worker each, stopped by SIGTERM mid-epoch and resumed, end with the weights of a run never
     stopped; the model is made for 3x32x32 images (a 3x3 stem)."""
     page = open(os.path.join(HERE, "ddp_resnet.py")).read()
     start = page.index("def datasets(args):")
@@ -275,7 +275,7 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     copy.mkdir()
     (copy / "ddp_resnet.py").write_text(page[:start] + YOUR_DATA + page[end:])
     shutil.copy(os.path.join(HERE, "common.py"), copy)
-    flags = ["--batch-size", "16", "--epochs", "2", "--workers", "2", "--checkpoint-every", "2", "--lr", "0.01"]
+    flags = ["--batch-size", "16", "--epochs", "1", "--workers", "1", "--checkpoint-every", "2", "--lr", "0.01"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     whole = subprocess.run(torchrun + flags + ["--out", "whole"], cwd=copy, env=env, capture_output=True, text=True,

@@ -10,7 +10,7 @@ import ddp_resnet
 import ddp_toy
 import fsdp_resnet
 from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
-                     fashion_resnet, load_model, read, run, wait_for)
+                     fashion_resnet, load_model, read, run, wait_for, write_gz_files)
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
@@ -54,7 +54,8 @@ def test_no_rank_leaves_a_stop_before_the_checkpoint_is_on_disk(script, tmp_path
                                PREEMPTIBLE, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
-        os.kill(sorted(children_of(job.pid))[1], signal.SIGTERM)
+        for pid in children_of(job.pid):   # both ranks, as a scheduler signals a job
+            os.kill(pid, signal.SIGTERM)
         job.wait(timeout=120)
     text = read(log)
     stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
@@ -214,9 +215,7 @@ def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(no
     if node_1_has == "a file as --data-dir":   # not a folder: it must not fall back on another copy
         (folders[1] / "data").write_text("not a folder")
     elif node_1_has == "a truncated file":
-        (folders[1] / "data").mkdir()
-        for name in common.FILES:
-            shutil.copy(os.path.join(DATA, name), folders[1] / "data" / name)
+        write_gz_files(folders[1] / "data")
         first_labels = folders[1] / "data" / "train-labels-idx1-ubyte.gz"
         first_labels.write_bytes(first_labels.read_bytes()[:100])
     started = time.time()

@@ -133,11 +133,11 @@ def threads_left(script, *argv):
 
 
 def slow_checkpoint(script, *argv):
-    """Run this rank of `script`, each checkpoint file written 3 s late (on a slow disk); at exit, print
+    """Run this rank of `script`, the stop's checkpoint file written 3 s late (on a slow disk); at exit, print
     the step of the checkpoint on disk."""
     write = common.save_atomically
     def slowly(write_file, path):
-        if path.endswith("checkpoint.pt"):
+        if path.endswith("checkpoint.pt") and common.StopSignal.noted:
             time.sleep(3)
         write(write_file, path)
     common.save_atomically = slowly
