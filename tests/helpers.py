@@ -77,7 +77,7 @@ def write_gz_files(folder):
     os.makedirs(folder, exist_ok=True)
     for name in common.FILES:
         with open(os.path.join(DATA, "FashionMNIST", "raw", name[:-3]), "rb") as raw:
-            with gzip.open(os.path.join(folder, name), "wb") as packed:
+            with gzip.open(os.path.join(folder, name), "wb", compresslevel=1) as packed:
                 shutil.copyfileobj(raw, packed)
 
 

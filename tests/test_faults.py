@@ -388,6 +388,39 @@ def test_data_is_prepared_once_per_node(tmp_path):
     assert sorted(os.listdir(fresh / "FashionMNIST" / "raw")) == sorted(name[:-3] for name in common.FILES)
 
 
+def test_missing_data_offline_says_what_to_do(tmp_path):
+    result = run(["python", "-c", "import common, scratch_lenet; common.DEBIAN_DIR = '/nonexistent'; "
+                  f"scratch_lenet.main(['--data-dir', {str(tmp_path / 'empty')!r}])"], env=OFFLINE)
+    assert result.returncode != 0
+    for needle in ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                   "t10k-labels-idx1-ubyte.gz", "apt-get install dataset-fashion-mnist", "download=True",
+                   str(tmp_path / "empty")]:
+        assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_matplotlib_stops_the_run_before_training(tmp_path):
+    """curves.png is drawn at the end with matplotlib, which common.py imports first: without it a run stops at
+    once, on Python's ImportError, not after its training."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "matplotlib.py").write_text("raise ImportError('hidden for this test')")
+    result = run(["python", "ddp_resnet.py", "--out", str(tmp_path / "out")] + RESNET,
+                 env={"PYTHONPATH": str(tmp_path / "hide")})
+    assert result.returncode == 1 and "ImportError: hidden for this test" in result.stderr
+    assert "ddp_resnet:" not in result.stdout   # before training
+
+
+def test_truncated_data_file_is_named(tmp_path):
+    data = tmp_path / "data"
+    write_gz_files(data)
+    with open(data / "t10k-images-idx3-ubyte.gz", "r+b") as f:
+        f.truncate(100_000)
+    result = run(["python", "scratch_lenet.py", "--data-dir", str(data), "--out", str(tmp_path / "out")])
+    assert result.returncode != 0
+    assert "t10k-images-idx3-ubyte.gz is truncated or corrupt" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("case", ["data-dir-is-a-file", "out-not-writable"])
 def test_unusable_folders_are_named(case, tmp_path):
     """A --data-dir that is a file: refused in one line. An --out that cannot be made: Python's error names it,
