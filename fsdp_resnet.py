@@ -281,7 +281,7 @@ def train(args):
             step += 1
             signalled = stop.agreed() if step < final_step else None   # FSDP: one answer on all ranks
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            every = args.checkpoint_every and step % args.checkpoint_every == 0
+            every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(epoch, batch_in_epoch, totals, timer())
             if signalled:   # FSDP: every rank stops after this same step, its shards written; exit 75
