@@ -6,14 +6,12 @@ import atexit, gc, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
 import torch.distributed as dist
-import common
-import fsdp_resnet
-import scratch_lenet
-import scratch_ring
+import common   # the scripts themselves are imported where used: threads-left sees a script's own import order
 
 
 def ring_check():
     """Under torchrun: the hand-written ring equals dist.all_reduce, for lengths that don't divide."""
+    import scratch_ring
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
@@ -39,6 +37,7 @@ def ring_check():
 def overlap_order():
     """Under torchrun: with --overlap a bucket's ring allreduce starts before backward has produced
     the last gradient (the first layer's)."""
+    import scratch_lenet, scratch_ring
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     events, ring = [], scratch_ring.ring_allreduce
@@ -68,6 +67,7 @@ def join():
 def fsdp_load(checkpoint, out):
     """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
     write the whole model it then holds."""
+    import fsdp_resnet
     rank, world_size = join()
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
@@ -85,6 +85,7 @@ def fsdp_sent(hsdp):
     """Under torchrun: count what one training step of fsdp_resnet's sharded ResNet hands to
     torch.distributed's all-gather, reduce-scatter and all-reduce (patched here, in this test
     process only), and print it beside what fsdp_resnet.bytes_sent_per_step computes from the shards' sizes."""
+    import fsdp_resnet
     rank, world_size = join()
     counted = {}
     def counting(name, collective):
@@ -128,8 +129,10 @@ def threads_left(script, *argv):
         print("threads before destroy:", thread_names(), flush=True)
         destroy(*args, **kwargs)
     dist.destroy_process_group = destroy_and_report
-    __import__(script).main(list(argv))
-    print("threads left:", thread_names(), flush=True)
+    try:
+        __import__(script).main(list(argv))
+    finally:   # a refusal too
+        print("threads left:", thread_names(), flush=True)
 
 
 def slow_checkpoint(script, *argv):
