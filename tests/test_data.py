@@ -124,7 +124,7 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
     first of 2 epochs, then --resume: the uninterrupted run's weights. SIGTERM goes to every
     process of the job, every rank and worker, as SLURM sends it: the ranks still stop together
     at a step boundary. --max-steps 2 stops a run of 3 steps an epoch (48 images); its --resume
-    first says there is no checkpoint yet, a cap at or below the checkpoint's step stops at once,
+    first says there is no checkpoint yet (a cap at or below the checkpoint's step: test_faults.py),
     and FSDP's checkpoint folder also holds what crashes leave: an older complete checkpoint
     (step-1, made unreadable, so loading it would fail) and a newer one half written (step-5.tmp)."""
     flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every", "2"] + FOLDER
@@ -140,10 +140,6 @@ def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, t
         said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
         assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
         assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
-        capped = run(torchrun + ["--resume", "--max-steps", "1", "--out", str(parts)] + flags)
-        assert_ok(capped)
-        assert "nothing to train" in capped.stdout and "at step 2, at or past --max-steps 1" in capped.stdout
-        assert "done:" not in capped.stdout
         (parts / "checkpoint" / "step-00000001").mkdir()
         (parts / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
         (parts / "checkpoint" / "step-00000005.tmp").mkdir()
