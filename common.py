@@ -4,9 +4,8 @@ import argparse, atexit, contextlib, gzip, hashlib, json, math, multiprocessing,
 import time, traceback
 import torch
 import torch.distributed as dist
-import torch.distributed.nn   # noqa: F401  before any group: imported later (by DDP, torch.compile, torchvision),
-# its functions keep the group of the moment as a default argument, past destroy_process_group, and gloo's threads
-# then run into the interpreter's exit, where they now and then abort the process
+import torch.distributed.nn   # noqa: F401  before any group: imported later (DDP, torch.compile, torchvision do), its
+# functions keep the group as a default argument past destroy_process_group, and gloo's threads can abort the exit
 from torch.distributed.rendezvous import rendezvous
 import matplotlib   # noqa: F401  curves.png is drawn with it at the end: missing, a run stops at its start
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
