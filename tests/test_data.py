@@ -118,58 +118,33 @@ def test_a_subset_of_a_folder_spans_its_classes(images):
 
 
 # ---------------------------------------------------------------- resume, evaluation, uneven data
-@pytest.mark.parametrize("script, stop", [("ddp_resnet.py", "SIGTERM"), ("fsdp_resnet.py", "--max-steps")])
-def test_mid_epoch_resume_with_workers_ends_like_one_run(images, script, stop, tmp_path):
-    """2 ranks with 2 workers each, random crops, a warm-up and a cosine, stopped inside the
-    first of 2 epochs, then --resume: the uninterrupted run's weights. SIGTERM goes to every
-    process of the job, every rank and worker, as SLURM sends it: the ranks still stop together
-    at a step boundary. --max-steps 2 stops a run of 3 steps an epoch (48 images); its --resume
-    first says there is no checkpoint yet (a cap at or below the checkpoint's step: test_faults.py),
-    and FSDP's checkpoint folder also holds what crashes leave: an older complete checkpoint
-    (step-1, made unreadable, so loading it would fail) and a newer one half written (step-5.tmp)."""
-    flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every", "2"] + FOLDER
-    if stop == "--max-steps":
-        flags += ["--train-samples", "48"]
-    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", script]
+def test_fsdp_mid_epoch_resume_from_an_image_folder_with_workers_ends_like_one_run(images, tmp_path):
+    """2 ranks with 2 workers each, an image folder's random crops, a warm-up and a cosine, stopped
+    inside the first of 2 epochs, then --resume: the uninterrupted run's weights. --max-steps 2
+    stops a run of 3 steps an epoch (48 images); its --resume first says there is no checkpoint
+    yet (a cap at or below the checkpoint's step: test_faults.py), and FSDP's checkpoint folder also
+    holds what crashes leave: an older complete checkpoint (step-1, made unreadable, so loading it
+    would fail) and a newer one half written (step-5.tmp). SIGTERM to every rank and worker of a
+    job with workers: test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly."""
+    flags = ["--data-dir", str(images), "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every", "2",
+             "--train-samples", "48"] + FOLDER
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "fsdp_resnet.py"]
     whole = run(torchrun + ["--out", str(tmp_path / "whole")] + flags)
     assert_ok(whole)
     parts = tmp_path / "parts"
-    if stop == "--max-steps":
-        stopped = run(torchrun + ["--resume", "--max-steps", "2", "--out", str(parts)] + flags)
-        assert_ok(stopped)
-        said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
-        assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
-        assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
-        (parts / "checkpoint" / "step-00000001").mkdir()
-        (parts / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
-        (parts / "checkpoint" / "step-00000005.tmp").mkdir()
-        stopped_at = 2
-    else:
-        parts.mkdir()
-        log = tmp_path / "log"
-        with open(log, "w") as f:
-            job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run"] + torchrun[1:]
-                                   + ["--out", str(parts)] + flags, cwd=HERE, stdout=f, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
-            ranks = children_of(job.pid)
-            everyone = descendants_of(job.pid)   # the ranks, each one's fork server and its 2 workers
-            assert len(ranks) == 2 and len(everyone) >= 2 + 4, everyone
-            for pid in everyone:
-                os.kill(pid, signal.SIGTERM)
-            job.wait(timeout=120)
-        text = read(log)
-        assert "stopped by SIGTERM at step" in text and "DataLoader worker" not in text, text[-3000:]
-        assert "exitcode  : 75" in text, text[-3000:]
-        wait_for(lambda: not any(running(pid) for pid in everyone), 30, "every rank and worker to exit")
-        stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
-        assert 2 <= stopped_at < 12
+    stopped = run(torchrun + ["--resume", "--max-steps", "2", "--out", str(parts)] + flags)
+    assert_ok(stopped)
+    said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
+    assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
+    assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
+    (parts / "checkpoint" / "step-00000001").mkdir()
+    (parts / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
+    (parts / "checkpoint" / "step-00000005.tmp").mkdir()
     resumed = run(torchrun + ["--resume", "--out", str(parts)] + flags)
     assert_ok(resumed)
-    assert "resumed from" in resumed.stdout and f", step {stopped_at}" in resumed.stdout
+    assert "resumed from" in resumed.stdout and ", step 2" in resumed.stdout
     assert_same_weights(load_model(tmp_path / "whole"), load_model(parts), tol=1e-6)
-    if script == "fsdp_resnet.py":   # only the newest is kept
-        assert sorted(os.listdir(parts / "checkpoint")) == ["step-00000006"]
+    assert sorted(os.listdir(parts / "checkpoint")) == ["step-00000006"]   # only the newest is kept
 
 
 def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
@@ -262,8 +237,9 @@ def datasets(args):
 def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tmp_path):
     """ddp_resnet.py and common.py copied, and the one edit the README shows: the section where the data goes
     replaced by a Dataset of CIFAR's shape made here, its random flips drawn from torch's generator. Two ranks
-    with a worker each, stopped by SIGTERM mid-epoch and resumed, end with the weights of a run never
-    stopped; the model is made for 3x32x32 images (a 3x3 stem)."""
+    with 2 workers each, a warm-up and a cosine over 2 epochs, SIGTERM to every process of the job (every rank
+    and worker, as SLURM sends it) mid-epoch: the ranks stop together at a step boundary, and the resumed run
+    ends with the weights of a run never stopped; the model is made for 3x32x32 images (a 3x3 stem)."""
     page = open(os.path.join(HERE, "ddp_resnet.py")).read()
     start = page.index("def datasets(args):")
     end = page.index("# ---------------------------------------------------------------- checkpoints")
@@ -271,7 +247,8 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     copy.mkdir()
     (copy / "ddp_resnet.py").write_text(page[:start] + YOUR_DATA + page[end:])
     shutil.copy(os.path.join(HERE, "common.py"), copy)
-    flags = ["--batch-size", "16", "--epochs", "1", "--workers", "1", "--checkpoint-every", "2", "--lr", "0.01"]
+    flags = ["--batch-size", "16", "--epochs", "2", "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every",
+             "2", "--lr", "0.01"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     whole = subprocess.run(torchrun + flags + ["--out", "whole"], cwd=copy, env=env, capture_output=True, text=True,
@@ -283,11 +260,15 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
         job = subprocess.Popen(torchrun + flags + ["--out", "parts"], cwd=copy, stdout=f, stderr=subprocess.STDOUT,
                                env={**env, "PYTHONUNBUFFERED": "1"})
         wait_for(lambda: "checkpoint: step 2 " in read(log), 240, "the first checkpoint")
-        for pid in descendants_of(job.pid):   # every rank and worker, as SLURM signals a job
+        everyone = descendants_of(job.pid)   # the ranks, each one's fork server and its 2 workers
+        assert len(children_of(job.pid)) == 2 and len(everyone) >= 2 + 4, everyone
+        for pid in everyone:   # every rank and worker, as SLURM signals a job
             os.kill(pid, signal.SIGTERM)
         job.wait(timeout=120)
     text = read(log)
-    assert "stopped by SIGTERM at step" in text and "exitcode  : 75" in text, text[-3000:]
+    assert "stopped by SIGTERM at step" in text and "DataLoader worker" not in text, text[-3000:]
+    assert "exitcode  : 75" in text, text[-3000:]
+    wait_for(lambda: not any(running(pid) for pid in everyone), 30, "every rank and worker to exit")
     stopped_at = int(text.split("stopped by SIGTERM at step ")[1].split(",")[0])
     assert 2 <= stopped_at < 6, text[-3000:]   # inside the first epoch: 6 steps an epoch
     resumed = subprocess.run(torchrun + flags + ["--out", "parts", "--resume"], cwd=copy, env=env,
