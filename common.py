@@ -1,6 +1,6 @@
 """What the scripts share and is not their lesson: the device, the data and its loaders, accuracy over all
 ranks, atomic writes and the resume's checks, the outputs."""
-import argparse, atexit, contextlib, gzip, hashlib, json, math, multiprocessing, os, shutil, signal, socket, sys
+import argparse, atexit, contextlib, gc, gzip, hashlib, json, math, multiprocessing, os, shutil, signal, socket, sys
 import time, traceback
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ def leaving_the_group():
         raise
     finally:
         if dist.is_initialized():
+            gc.collect()   # the group's last users first: a DDP wrap is a cycle of references, freed only by gc
             dist.destroy_process_group()
 
 def every_rank(value, world_size):   # [rank 0's value, rank 1's, ...]

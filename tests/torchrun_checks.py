@@ -124,6 +124,7 @@ def threads_left(script, *argv):
     destroys the process group, and after the script has returned."""
     def thread_names():
         return " ".join(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+    gc.disable()   # a group only a collection would free is then found every time, not when gc happens not to run
     destroy = dist.destroy_process_group
     def destroy_and_report(*args, **kwargs):
         print("threads before destroy:", thread_names(), flush=True)
