@@ -4,16 +4,17 @@
     python ft_ddp_resnet.py --serve HOST:PORT --run-id r1       # the coordinator: trains nothing
     until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
 
-The last line is a member, restarted until it finishes (0) or fails for good (1): start as many as you like,
-anywhere, whenever you like. Before every step the live members agree on who takes part (a quorum, one
-generation); when that changes, each makes a new process group over the coordinator's store, and a member behind
-receives the state of the one furthest ahead. The gradient is the sum of each micro-batch's mean-loss gradient,
-divided by their count, summed in float64: any members, any faults, give the same weights bit for bit. A step is
-applied by all its members or by none (each votes after the allreduce; the coordinator commits only if all voted
-yes). Lost, the coordinator costs each member a restart from its checkpoint (exit 75; the loop above brings it
-back once the coordinator is served again with the same --run-id). No DistributedDataParallel: a failed allreduce
-leaves its reducer in a state it does not recover from. Lines that exist only because members may come and go
-are tagged `# FT:`.
+The last line is a member, restarted until it finishes (0) or fails for good (1): start as many as
+you like, anywhere, whenever you like. Before every step the live members agree on who takes part
+(a quorum, one generation); when that changes, each makes a new process group over the
+coordinator's store, and a member behind receives the state of the one furthest ahead. The
+gradient is the sum of each micro-batch's mean-loss gradient, divided by their count, summed in
+float64: any members, any faults, give the same weights bit for bit. A step is applied by all its
+members or by none (each votes after the allreduce; the coordinator commits only if all voted yes).
+Lost, the coordinator costs each member a restart from its checkpoint (exit 75; the loop above
+brings it back once the coordinator is served again with the same --run-id). No
+DistributedDataParallel: a failed allreduce leaves its reducer in a state it does not recover from.
+Lines that exist only because members may come and go are tagged `# FT:`.
 """
 import argparse, contextlib, copy, datetime, hashlib, hmac, ipaddress, json, math, os, secrets, select, selectors
 import signal, socket, sys, threading, time, zlib
@@ -66,6 +67,7 @@ class Coordinator:
     """The membership: one connection per member (a member that dies closes it), quorums, commits, a beat to
     every member each second. Each turn of serve() reads what came, then decides: who is alive, whether the
     step is committed, who takes part in the next. It ends on SIGTERM, or once the run is over."""
+
     def __init__(self, args):
         host, port = args.serve
         self.secret, self.run_id = the_secret(host), args.run_id or secrets.token_hex(4)
@@ -81,6 +83,7 @@ class Coordinator:
                     "finished": None}
         print(f"coordinator: run {self.run_id}: members join at {host}:{port}, their groups meet at {host}:"
               f"{self.store.port}; to continue it after a restart: --run-id {self.run_id}", flush=True)
+
     def serve(self):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
@@ -103,7 +106,9 @@ class Coordinator:
                     self.close(cid, line)
             if self.over(now, timeout):
                 return
+
     # ---- connections
+
     def send(self, conn, message):   # never blocks: a connection that cannot take a small message is lost
         data = (json.dumps(message) + "\n").encode()
         try:
@@ -111,14 +116,17 @@ class Coordinator:
                 raise BlockingIOError
         except OSError:
             conn.setdefault("lost", "its connection failed")
+
     def close(self, cid, line=None):
         conn = self.conns.pop(cid)
         self.selector.unregister(conn["sock"])
         conn["sock"].close()
         if line:
             print(f"coordinator: {line}", flush=True)
+
     def name(self, conn):
         return f"member {conn['id']}" if conn.get("joined") else f"the connection from {conn['peer']}"
+
     def accept(self):
         with contextlib.suppress(BlockingIOError):
             sock, peer = self.listener.accept()
@@ -133,6 +141,7 @@ class Coordinator:
             if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
                 unproven[0]["lost"] = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
             self.send(conn, {"challenge": conn["challenge"]})
+
     def read(self, cid):
         conn = self.conns[cid]
         try:
@@ -156,6 +165,7 @@ class Coordinator:
                 raise ValueError(f"a line longer than {MAX_LINE} bytes")
         except ValueError as e:
             conn["lost"] = f"refused: {e}"
+
     def handle(self, conn, message):
         op = message["op"]
         if not conn.get("joined"):
@@ -174,6 +184,7 @@ class Coordinator:
         else:
             self.send(conn, {"dropped": conn["dropped"]})
             conn["lost"] = "was told it had been dropped"
+
     def join(self, conn, message):
         """A connection that proves it knows the secret joins, if its flags and its checkpoint's run agree."""
         if not hmac.compare_digest(message["proof"], proof(self.secret, conn["challenge"])):
@@ -202,7 +213,9 @@ class Coordinator:
         self.send(conn, answer)
         if not conn.get("joined"):
             conn["lost"] = "was answered and let go"
+
     # ---- the decisions of a turn
+
     def check_connections(self, now, timeout):   # FT: who does not prove itself soon is closed; all hear a beat
         for conn in self.conns.values():
             if not conn.get("joined") and now - conn["opened"] > PROVE_WITHIN:
@@ -212,6 +225,7 @@ class Coordinator:
             for conn in self.conns.values():
                 if conn.get("joined"):
                     self.send(conn, {"beat": 1})
+
     def drop_stalled(self, now, timeout):
         """The live members. FT: liveness is progress. Dropped: a member that neither voted nor asked for a quorum
         within --member-timeout of one that waits; one of the generation that has not voted when a peer's
@@ -231,6 +245,7 @@ class Coordinator:
                 print(f"coordinator: {self.name(conn)} dropped: {why}", flush=True)
                 del live[i]
         return live
+
     def commit_or_not(self, live, now):   # FT: all of the generation voted yes, none gone: committed; else no one
         run = self.run
         voters = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "vote" and i in run["members"]}
@@ -259,6 +274,7 @@ class Coordinator:
             for conn in live.values():
                 self.send(conn, {"failed": line})
             raise SystemExit(1)
+
     def form_quorum(self, live):   # when every live member asks (at least --min-members for the first)
         run = self.run
         ready = {i: c for i, c in live.items() if c["want"] and c["want"]["op"] == "ready"}
@@ -278,6 +294,7 @@ class Coordinator:
             ready[i]["want"] = None
             self.send(ready[i], {"gen": run["gen"], "rank": rank, "world": len(ids), "step": max(steps),
                                  "src": steps.index(max(steps)) if behind else None})
+
     def over(self, now, timeout):   # the run finished and its members left (or 10 x --member-timeout passed)
         if any(c.get("joined") and not c.get("dropped") for c in self.conns.values()):
             return False
@@ -299,6 +316,7 @@ class Stopped(Exception):   # a SIGTERM came while this member waited for the co
 
 class CoordinatorLink:
     """A member's connection to the coordinator, which beats each second: silent for --member-timeout, it is lost."""
+
     def __init__(self, address, secret, hello, timeout, init_timeout, stop):
         host, port = address
         deadline = time.monotonic() + init_timeout
@@ -504,6 +522,7 @@ class Member:
     """A member: it joins; for each step it asks for the quorum, makes the generation's group when the membership
     changed, computes its share, votes, applies what is committed. Stopped, or without its coordinator, it
     leaves with a checkpoint of the last committed step (exit 75)."""
+
     def __init__(self, args):
         self.args, self.address = args, args.join
         self.secret = the_secret(args.join[0])
@@ -542,6 +561,7 @@ class Member:
         self.making_since = None   # FT: when this member began making its group, while it does
         self.gen, self.generations, self.steps_here = None, 0, 0
         self.saved = load_checkpoint(args.checkpoint, self.net, self.optimizer, self.scheduler) if args.resume else None
+
     def resume(self):   # as the other scripts do it: the same training flags, or refused; False: nothing to train
         path = self.args.checkpoint
         common.resume_check(self.saved["flags"], {**vars(self.args), "data": self.flags["data"]}, path, True,
@@ -551,7 +571,9 @@ class Member:
         if self.progress["step"] >= self.final_step:
             print(f"nothing to train: {path} is at step {self.progress['step']}", flush=True)
         return self.progress["step"] < self.final_step
+
     # ---- the coordinator, and leaving
+
     def join(self):   # FT: join the run; the coordinator gives this member its id, and the store its groups use
         host, port = self.address
         hello = {"flags": self.flags, "step": self.progress["step"], "run": self.saved["run"] if self.saved else None}
@@ -561,24 +583,29 @@ class Member:
                                    timeout=datetime.timedelta(seconds=self.args.member_timeout))
         print(f"member {self.link.id}: joined run {self.link.run} at {host}:{port}, at step {self.progress['step']}",
               flush=True)
+
     def uncommitted(self):   # FT: the step is not applied: BatchNorm's running statistics back to the committed ones
         for b, committed in zip(buffers_of(self.net), self.kept):
             b.copy_(committed)
         self.kept.clear()
+
     def state(self):   # a copy of all a restart of the whole job needs: where it is, of which run, with which flags
         self.uncommitted()
         return copy.deepcopy({**self.progress, "run": self.link.run, "model": self.net.state_dict(),
                               "flags": {**vars(self.args), "data": self.flags["data"]},
                               "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
+
     def checkpoint(self, state=None):   # this member's own, of the last committed step
         saved = state or self.state()
         common.save_atomically(lambda tmp: torch.save(saved, tmp), self.args.checkpoint)
+
     def leave(self, line, status, state=None, end=sys.exit):   # FT: this member stops; the others go on without it
         self.checkpoint(state)
         print(f"member {self.link.id}: {line}; checkpoint of step {self.progress['step']} written to "
               f"{self.args.checkpoint}; exit status {status}", file=sys.stdout if status == common.PREEMPTED else
               sys.stderr, flush=True)
         end(status)
+
     def watchdog(self):
         """FT: making a group waits on the store, unbounded if the coordinator hangs (SIGSTOP); a peer stopped
         mid-handshake holds gloo's connect ~5x the timeout. Past 6x this member ends, with the state copied
@@ -590,6 +617,7 @@ class Member:
                 self.leave(f"lost the coordinator at {self.address[0]}:{self.address[1]} (its store did not answer "
                            f"for {6 * self.args.member_timeout:g} s); once it is back, --resume goes on",
                            common.PREEMPTED, self.before_group, os._exit)
+
     def talk(self, message=None):   # FT: a word with the coordinator: losing it, or a SIGTERM, ends this member
         try:
             return self.link.ask(message) if message else self.link.receive()
@@ -599,6 +627,7 @@ class Member:
         except CoordinatorLost as e:
             self.leave(f"lost the coordinator at {self.address[0]}:{self.address[1]} ({e}); once it is back, "
                        f"--resume goes on", common.PREEMPTED)
+
     def answered(self, reply):   # FT: True if the step may go on; else this member rejoins, or ends
         if "over" in reply:   # it hung until the run ended, or joined during its last step
             print(f"member {self.link.id}: {reply['over']}; nothing is left to train", flush=True)
@@ -616,7 +645,9 @@ class Member:
         self.join()
         self.gen = None
         return False
+
     # ---- one step
+
     def new_group(self, quorum):   # FT: a new membership: a new group, on a new prefix of the store; the failure
         self.gen, self.generations = quorum["gen"], self.generations + 1
         print(f"member {self.link.id}: generation {self.gen}: {quorum['world']} member(s), from step "
@@ -635,6 +666,7 @@ class Member:
             self.gen, problem = None, failure(e, started)
         self.making_since = None
         return problem
+
     def take_part(self, quorum, step):
         """The step: a recovery if someone is behind, this member's micro-batches, the allreduce. Returns (the
         step, recovered or not, its sums, the failure or None)."""
@@ -660,6 +692,7 @@ class Member:
                          self.args.micro_batch, mine, self.args.amp)
         step_totals, problem = exchange(self.net, self.grads, self.message, totals, 0 in mine, self.count)   # FT: sums
         return step, step_totals, problem
+
     def apply(self, step, step_totals):   # committed: the update, the position, an epoch's evaluation, a checkpoint
         self.kept.clear()
         self.optimizer.step()
@@ -682,6 +715,7 @@ class Member:
             self.timer = common.Timer(self.device)
         if self.args.checkpoint_every and self.progress["step"] % self.args.checkpoint_every == 0:
             self.checkpoint()   # after an epoch's evaluation
+
     def train(self):
         if self.saved and not self.resume():
             return self.net
