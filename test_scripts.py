@@ -563,7 +563,8 @@ def torch_problems(path):
             private = [p for p in node.module.split(".") + [a.name for a in node.names] if p.startswith("_")]
             if private:
                 problems.append(f"{name}:{node.lineno}: from {node.module} import {private}")
-        if isinstance(node, ast.Attribute) and (parts := chain(node)) and parts[0] in torch_bound:
+        parts = chain(node) if isinstance(node, ast.Attribute) else []
+        if parts and parts[0] in torch_bound:
             if any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:]):
                 problems.append(f"{name}:{node.lineno}: {'.'.join(parts)}")
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):

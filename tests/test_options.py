@@ -103,8 +103,9 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
     group of the moment as a default argument when first imported (torch.compile, DDP and torchvision
     import it): common.py imports it before any group exists. A DDP wrap is a cycle of references to
     its group: common.leaving_the_group collects it first (the check turns automatic collection off).
-    One rank, started as torchrun would start it, after a training and after a refusal. (fsdp_resnet.py is not here: with torch 2.14,
-    DTensor's caches keep FSDP2's DeviceMesh, and the mesh its groups, until the process ends.)"""
+    One rank, started as torchrun would start it, after a training and after a refusal. (fsdp_resnet.py
+    is not here: with torch 2.14, DTensor's caches keep FSDP2's DeviceMesh, and the mesh its groups,
+    until the process ends.)"""
     refused = "not-a-folder" in flags
     flags = [str(tmp_path / f) if f == "not-a-folder" else f for f in flags]
     (tmp_path / "not-a-folder").write_text("a file")
