@@ -14,11 +14,11 @@ import dp_resnet
 import fsdp_resnet
 import scratch_lenet
 import scratch_ring
-from helpers import (DATA, HERE, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     load_model, resnet_reference, run, write_gz_files)
+from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
+                     fashion_resnet, load_model, resnet_reference, run, scratch_ring_trains_like_one_device,
+                     write_gz_files)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
-LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))
 RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- common.py
@@ -275,27 +275,12 @@ def test_scratch_under_torchrun_matches_one_process(nproc, scratch_one_replica, 
     assert abs(metrics["sent_bytes_per_step"] - ring) <= 4 * 2 * (nproc - 1)
 
 
-@pytest.mark.parametrize("nproc, devices, flag", [(2, 2, None), (3, 1, "--overlap"), (2, 2, "--overlap"),
-                                                  (3, 2, "--overlap"), (3, 1, "--zero"), (2, 2, "--zero")])
-def test_hierarchical_overlap_and_zero_train_like_one_device(nproc, devices, flag, scratch_one_replica, tmp_path):
+@pytest.mark.parametrize("flag", [None, "--overlap", "--zero"])
+def test_hierarchical_overlap_and_zero_train_like_one_device(flag, scratch_one_replica, tmp_path):
     """2 processes x 2 replicas is 4 replicas; --overlap (one bucket per layer) and --zero only
-    move when and where the sums and updates happen: the weights stay those of one device. Each
-    flag at 3 processes (unequal chunks) and at 2 x 2 replicas (the sum inside a process first)."""
-    flags = [flag] + (["--bucket-kb", "1"] if flag == "--overlap" else []) if flag else []
-    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "scratch_ring.py", "--devices",
-                  str(devices)] + flags + SMALL + ["--max-steps", "6", "--batch-size", "96", "--out", str(tmp_path)])
-    assert_ok(result)
-    assert_same_weights(load_model(tmp_path), scratch_one_replica, tol=1e-6)
-    metrics = json.load(open(tmp_path / "metrics.json"))
-    layout = f"{nproc} processes x {devices} replica{'s' * (devices > 1)}"
-    assert metrics["layout"] == layout and layout in result.stdout
-    if flag == "--overlap":
-        assert "in 4 buckets" in result.stdout   # --bucket-kb 1: one per LeNet layer
-    replicated = 4 * LENET_PARAMS * devices   # momentum for every parameter in every replica
-    rank0_chunk = len(torch.empty(LENET_PARAMS).tensor_split(nproc)[scratch_ring.owned_chunk(0, nproc)])
-    assert metrics["optimizer_state_bytes"] == (4 * rank0_chunk if flag == "--zero" else replicated)
-    if flag == "--zero":   # 1/W of one replica's momentum, up to the uneven last chunk
-        assert abs(metrics["optimizer_state_bytes"] - 4 * LENET_PARAMS / nproc) <= 4
+    move when and where the sums and updates happen: the weights stay those of one device. The sum
+    inside a process comes first. (At 3 processes, whose chunks are unequal: tests/test_options.py.)"""
+    scratch_ring_trains_like_one_device(2, 2, flag, scratch_one_replica, tmp_path)
 
 
 def test_overlap_sends_before_backward_ends():

@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import contextlib, copy, fcntl, functools, gzip, math, os, shutil, signal, subprocess, sys, time
+import contextlib, copy, fcntl, functools, gzip, json, math, os, shutil, signal, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import common
 import local_slurm
 import scratch_lenet
+import scratch_ring
 import simulated_cluster
 
 # Two tests run at a time on two cores (run_all.sh's pytest -n 2), so every process a test starts, and the
@@ -26,6 +27,8 @@ SMALL = ["--train-samples", "1024", "--test-samples", "300", "--data-dir", DATA]
 
 
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}   # downloads fail at once
+
+LENET_PARAMS = sum(p.numel() for p in scratch_lenet.init_params(0))
 
 RESNET_LR = 0.002   # for 256 samples: a rate at which ResNet's first steps do not amplify rounding
 RESNET = ["--train-samples", "64", "--test-samples", "101", "--batch-size", "16", "--max-steps", "2",
@@ -177,6 +180,27 @@ def epoch_batches(samples, batch_size, seed, epoch):
     sampler = torch.utils.data.DistributedSampler(range(samples), num_replicas=1, rank=0, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)
     return torch.tensor(list(sampler))[: samples // batch_size * batch_size].view(-1, batch_size)
+
+
+def scratch_ring_trains_like_one_device(nproc, devices, flag, reference, tmp_path):
+    """scratch_ring.py on nproc processes x devices replicas, with --overlap (one bucket per LeNet
+    layer), --zero or neither: one device's weights (1e-6), its layout said, and the optimizer state
+    each process keeps (ZeRO: its chunk of one replica's momentum)."""
+    flags = [flag] + (["--bucket-kb", "1"] if flag == "--overlap" else []) if flag else []
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "scratch_ring.py", "--devices",
+                  str(devices)] + flags + SMALL + ["--max-steps", "6", "--batch-size", "96", "--out", str(tmp_path)])
+    assert_ok(result)
+    assert_same_weights(load_model(tmp_path), reference, tol=1e-6)
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    layout = f"{nproc} processes x {devices} replica{'s' * (devices > 1)}"
+    assert metrics["layout"] == layout and layout in result.stdout
+    if flag == "--overlap":
+        assert "in 4 buckets" in result.stdout   # --bucket-kb 1: one per LeNet layer
+    replicated = 4 * LENET_PARAMS * devices   # momentum for every parameter in every replica
+    rank0_chunk = len(torch.empty(LENET_PARAMS).tensor_split(nproc)[scratch_ring.owned_chunk(0, nproc)])
+    assert metrics["optimizer_state_bytes"] == (4 * rank0_chunk if flag == "--zero" else replicated)
+    if flag == "--zero":   # 1/W of one replica's momentum, up to the uneven last chunk
+        assert abs(metrics["optimizer_state_bytes"] - 4 * LENET_PARAMS / nproc) <= 4
 
 
 def children_of(pid):

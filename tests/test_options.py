@@ -1,14 +1,15 @@
 """The scripts' options beyond their approach, and runs longer than a proof needs: torch.compile,
-bf16 autocast, channels-last, eight ranks, the README's first command to its accuracy, accuracy at
-three ranks, no process-group thread left at exit, the CPU path without Linux-only calls, and the GPU check
-on a machine without GPUs. Run by `bash run_all.sh test`."""
+bf16 autocast, channels-last, scratch_ring.py's --overlap and --zero at three processes, eight
+ranks, the README's first command to its accuracy, accuracy at three ranks, no process-group thread
+left at exit, the CPU path without Linux-only calls, and the GPU check on a machine without GPUs.
+Run by `bash run_all.sh test`."""
 import json, os, subprocess, sys
 import pytest
 import torch
 import common
 import scratch_lenet
 from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     load_model, resnet_reference, resnet_step, run)
+                     load_model, resnet_reference, resnet_step, run, scratch_ring_trains_like_one_device)
 
 
 def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
@@ -62,6 +63,13 @@ def test_fsdp_channels_last_keeps_the_weights_contiguous_and_steps_the_same(tmp_
     assert_ok(result)
     step, reference = resnet_step(load_model(tmp_path)), resnet_step(resnet_reference(2, steps=1))
     assert (step - reference).norm() / reference.norm() < 1e-4
+
+
+@pytest.mark.parametrize("devices, flag", [(1, "--overlap"), (2, "--overlap"), (1, "--zero")])
+def test_overlap_and_zero_at_three_processes_train_like_one_device(devices, flag, scratch_one_replica, tmp_path):
+    """scratch_ring.py's --overlap and --zero where the ring's chunks are unequal (3 processes), --overlap
+    with 2 replicas each too: one device's weights (test_scripts.py proves them at 2 x 2 replicas)."""
+    scratch_ring_trains_like_one_device(3, devices, flag, scratch_one_replica, tmp_path)
 
 
 def test_ddp_toy_runs_on_eight_ranks(tmp_path):
