@@ -94,13 +94,12 @@ def run(command, *, env=None, timeout=300):
     if command[0] in ("python", "torchrun"):
         command = ([sys.executable] if command[0] == "python" else
                    [sys.executable, "-m", "torch.distributed.run"]) + command[1:]
-    # Its own session: a command that runs past the timeout is killed with every process it started
-    # (torchrun's ranks, their DataLoader workers), not only the first, which would leave the rest orphaned.
     process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
-    except BaseException:   # the timeout, or the test run interrupted
+    except BaseException:   # the timeout, or the test run interrupted: every process it started goes too
+        kill_tree(process.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -220,6 +219,15 @@ def descendants_of(pid):
     """Every process below `pid`: children, theirs, and so on."""
     found = children_of(pid)
     return found + [d for child in found for d in descendants_of(child)]
+
+
+def kill_tree(pid):
+    """SIGKILL to `pid`, then to every process that was below it (torchrun starts each rank in a session of its
+    own, so killing torchrun's process group would leave them running); the first before the rest, so that a
+    torchrun cannot start its ranks again."""
+    for each in [pid] + descendants_of(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
 
 
 def wait_for(condition, seconds, what):

@@ -10,7 +10,7 @@ import ddp_resnet
 import ddp_toy
 import fsdp_resnet
 from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
-                     fashion_resnet, load_model, read, run, wait_for, write_gz_files)
+                     fashion_resnet, kill_tree, load_model, read, run, wait_for, write_gz_files)
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
@@ -119,19 +119,25 @@ def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(re
                             "--max-restarts=1", "ddp_resnet.py", "--resume", "--out", str(tmp_path)] + PREEMPTIBLE,
                            cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    watchdog = threading.Timer(240, job.kill)   # a hung job fails the test instead of CI
+    # A hung job fails the test instead of CI: torchrun and its ranks are killed (the ranks of a restart
+    # would hold the pipe open after torchrun is gone).
+    watchdog = threading.Timer(240, kill_tree, (job.pid,))
     watchdog.start()
     lines = []
-    for line in job.stdout:   # --checkpoint-every 2: steps 2 and 4 are checkpointed inside epoch 1
-        lines.append(line)
-        if line.startswith("  checkpoint: step 4 "):
-            break
-    workers = children_of(job.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    lines += job.stdout.readlines()
-    assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
-    watchdog.cancel()
+    try:
+        for line in job.stdout:   # --checkpoint-every 2: steps 2 and 4 are checkpointed inside epoch 1
+            lines.append(line)
+            if line.startswith("  checkpoint: step 4 "):
+                break
+        workers = children_of(job.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        lines += job.stdout.readlines()
+        assert job.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    finally:
+        watchdog.cancel()
+        if job.poll() is None:   # a failure above: the job goes with the test
+            kill_tree(job.pid)
     log = "".join(lines)
     assert "resumed from" in log and "epoch 1 at batch 4/6, step 4" in log, log[-3000:]   # 4 = the last checkpoint
     assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
