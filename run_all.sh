@@ -77,7 +77,7 @@ smoke ddp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 
 smoke fsdp_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_resnet.py $small $resnet
 smoke diloco_resnet "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 diloco_resnet.py $small $resnet --local-steps 2
 smoke dp_resnet "$PY" dp_resnet.py $small $resnet
-port=$("$PY" -c 'import common; print(common.free_port())')   # ft_ddp_resnet.py: a coordinator and two members
+port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')   # ft_ddp_resnet.py: a coordinator and two members
 "$PY" ft_ddp_resnet.py --serve "127.0.0.1:$port" >/dev/null &
 "$PY" ft_ddp_resnet.py --join "127.0.0.1:$port" --min-members 2 --micro-batch 16 $small $resnet --out runs/smoke/ft_other >/dev/null &
 smoke ft_ddp_resnet "$PY" ft_ddp_resnet.py --join "127.0.0.1:$port" --min-members 2 --micro-batch 16 $small $resnet

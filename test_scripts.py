@@ -15,7 +15,7 @@ import fsdp_resnet
 import scratch_lenet
 import scratch_ring
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     fashion_resnet, load_model, resnet_reference, run, scratch_ring_trains_like_one_device,
+                     fashion_resnet, free_port, load_model, resnet_reference, run, scratch_ring_trains_like_one_device,
                      write_gz_files)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
@@ -336,7 +336,7 @@ def test_ddp_toy_calls_set_epoch_every_epoch(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(common.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     ddp_toy.main(TOY + ["--out", str(tmp_path)])
     assert seen == [1, 2, 3]
 
@@ -499,7 +499,7 @@ def test_each_script_runs_copied_with_only_the_files_it_imports(script, flags, t
         shutil.copy(os.path.join(HERE, name + ".py"), tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if flags[-1] == "--join":   # a member of a run: its coordinator first, from the same folder
-        flags = flags + [f"127.0.0.1:{common.free_port()}"]
+        flags = flags + [f"127.0.0.1:{free_port()}"]
         coordinator = subprocess.Popen([sys.executable, f"{script}.py", "--serve", flags[-1]], cwd=tmp_path, env=env,
                                        stdout=subprocess.DEVNULL)
     result = subprocess.run([sys.executable, f"{script}.py", "--out", "out"] + flags, cwd=tmp_path, env=env,

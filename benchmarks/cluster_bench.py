@@ -13,19 +13,25 @@ each measured time beside its model:
 and the share of the communication that overlap hid: (compute + comm - step) / comm.
 Writes runs/cluster_bench/results.json and runs/cluster_bench/step_time.png.
 """
-import json, os, subprocess, sys
+import json, os, socket, subprocess, sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
-import common, simulated_cluster
+import simulated_cluster
 
 OUT = os.path.join(ROOT, "runs", "cluster_bench")
 LENET_RATES, RESNET_RATES = (30, 100, 300), (300, 1000)   # Mbit/s where comm is comparable to backward
 
 
+
+def free_port():   # port 0: the OS picks one no one listens on now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 def measure(nodes, procs_per_node, rate_mbit, flags):
     """Run cluster_step.py on a fresh simulated cluster; rank 0's results."""
     with simulated_cluster.SimulatedCluster(nodes, rate_mbit) as cluster:
-        port = common.free_port()
+        port = free_port()
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                                   f"--nproc_per_node={procs_per_node}", f"--node-rank={i}",
                                   f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",

@@ -13,14 +13,19 @@ in Python, and end, again and again. The order of the ending:
 
 Prints, for each order, the rounds both processes finished, or that they hung.
 """
-import argparse, datetime, os, sys, time
+import argparse, datetime, os, socket, sys, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common
 
+
+
+def free_port():   # port 0: the OS picks one no one listens on now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 def one_round(store, rank, wrap_first, round_number):
     dist.init_process_group("gloo", store=dist.PrefixStore(f"round{round_number}", store), rank=rank, world_size=2)
@@ -56,7 +61,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} cores, 2 processes, {args.rounds} rounds")
     for name, wrap_first in (("wrap last", False), ("wrap first", True)):
         done = mp.get_context("spawn").Array("i", 2)
-        context = mp.start_processes(rank_main, args=(common.free_port(), wrap_first, args.rounds, done), nprocs=2,
+        context = mp.start_processes(rank_main, args=(free_port(), wrap_first, args.rounds, done), nprocs=2,
                                      join=False, start_method="spawn")
         deadline = time.monotonic() + args.timeout
         try:

@@ -16,9 +16,15 @@ for a replica whose heartbeat is fresh before a quorum without it: it runs with 
 at its default 5 s and at 0.5 s (replicas beat every 0.1 s). A join timeout of 0.1 s was tried: on 2
 shared cores the live replicas did not all ask within it, and the quorums churned.
 """
-import argparse, json, os, re, signal, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def free_port():   # port 0: the OS picks one no one listens on now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 def stamped(kind):
     """Run as a wrapper: the script, with a line `stamp STEP TIME` at each committed step's end."""
@@ -116,8 +122,7 @@ def until_two_finish(members, log, kill_at, how="kill"):
 
 def run_ft(out, steps, kill_at, how="kill", timeout_s=10, sums="float64"):
     """3 members; with kill_at, one of them is SIGKILLed (or stopped) once the run has committed kill_at steps."""
-    import common
-    address, store = f"127.0.0.1:{common.free_port()}", ["--store-port", str(common.free_port())]
+    address, store = f"127.0.0.1:{free_port()}", ["--store-port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--train-samples", str(24 * steps), "--test-samples", "10", "--batch-size", "24", "--micro-batch", "8",
              "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", str(timeout_s), "--sums", sums,

@@ -12,11 +12,16 @@ quorum; the beats the coordinator sends every second are counted too. CPU: the c
 import argparse, json, os, socket, statistics, subprocess, sys, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common
 from ft_ddp_resnet import proof
 
 SECRET = "scale-benchmark"
 
+
+
+def free_port():   # port 0: the OS picks one no one listens on now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 def cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -55,11 +60,11 @@ class Stub:
 
 
 def measure(members, steps):
-    port = common.free_port()
+    port = free_port()
     address = ("127.0.0.1", port)
     env = {**os.environ, "FT_SECRET": SECRET}
     coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", f"127.0.0.1:{port}",
-                                    "--store-port", str(common.free_port())], cwd=ROOT, env=env,
+                                    "--store-port", str(free_port())], cwd=ROOT, env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         flags = {"member_timeout": 600.0, "min_members": members, "final_step": 10 ** 9}

@@ -20,7 +20,7 @@ Fashion-MNIST images (96 steps of 64, 6,144 samples), tested on 1,000 after ever
 side by side, and drawn against the training seconds in benchmarks/slow_links_accuracy.png.
 Writes runs/slow_links/results.json.
 """
-import argparse, json, os, subprocess, sys, tempfile
+import argparse, json, os, socket, subprocess, sys, tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import common, simulated_cluster
@@ -46,11 +46,17 @@ ACCURACY_FLAGS = ["--batch-size", "64", "--train-samples", "1024", "--test-sampl
                   "--workers", "0"]
 
 
+
+def free_port():   # port 0: the OS picks one no one listens on now
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 def run_on_cluster(script, flags, procs_per_node, rate_mbit, steps=None, base=BASE):
     """One run on a fresh 2-node cluster: training seconds, steps, sent bytes per step, node 0's
     tx bytes, and the epochs' records."""
     with tempfile.TemporaryDirectory() as out, simulated_cluster.SimulatedCluster(2, rate_mbit) as cluster:
-        port = common.free_port()
+        port = free_port()
         env = cluster.env(OMP_NUM_THREADS="1")
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                   f"--nproc_per_node={procs_per_node}", f"--node-rank={i}",

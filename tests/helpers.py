@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import contextlib, copy, fcntl, functools, gzip, json, math, os, shutil, signal, subprocess, sys, time
+import contextlib, copy, fcntl, functools, gzip, json, math, os, shutil, signal, socket, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -82,6 +82,14 @@ def write_gz_files(folder):
         with open(os.path.join(DATA, "FashionMNIST", "raw", name[:-3]), "rb") as raw:
             with gzip.open(os.path.join(folder, name), "wb", compresslevel=1) as packed:
                 shutil.copyfileobj(raw, packed)
+
+
+def free_port():
+    """A port no one listens on now (port 0: the OS picks one); another process may take it before the test does,
+    which the tests live with."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fashion_resnet(seed=0):

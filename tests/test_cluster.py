@@ -7,7 +7,7 @@ import common
 import local_slurm
 import simulated_cluster
 from helpers import (HERE, NO_CLUSTER, NO_SLURM, PREEMPTIBLE, RESNET, SMALL, TOY, assert_ok, assert_same_weights,
-                     fashion_resnet, load_model, max_difference, read, resnet_reference, run, running, wait_for)
+                     fashion_resnet, free_port, load_model, max_difference, read, resnet_reference, run, running, wait_for)
 
 # One at a time, on one pytest-xdist worker: two local SLURMs would share one munged (the first to
 # end stops it).
@@ -26,7 +26,7 @@ def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_p
     torchrun = f"{sys.executable} -m torch.distributed.run"
     result = run(["python", "examples/simulated_cluster.py", "--nodes", "2", "--rate-mbit", "1000", "--"]
                  + torchrun.split() + ["--nnodes=2", "--nproc_per_node=1", "--node-rank={node}", "--master-addr={head}",
-                  f"--master-port={common.free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
+                  f"--master-port={free_port()}", "ddp_toy.py", "--out", str(tmp_path / "node{node}")] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path / "node0"), toy_one_rank)
     assert not (tmp_path / "node1").exists()   # rank 0 alone writes
@@ -34,7 +34,7 @@ def test_ddp_toy_on_two_simulated_nodes_trains_like_one_rank(toy_one_rank, tmp_p
 
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=str(NO_CLUSTER))
 def test_scratch_hierarchical_on_two_simulated_nodes_trains_like_one_device(scratch_one_replica, tmp_path):
-    port = common.free_port()
+    port = free_port()
     with simulated_cluster.SimulatedCluster(2, rate_mbit=300) as cluster:
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                   f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
@@ -66,7 +66,7 @@ def test_hsdp_on_two_simulated_nodes_trains_like_flat_fsdp_and_sends_only_an_all
     # on 4 ranks are the same sums in another order (allreduce against reduce-scatter); HSDP's
     # order is a third. Measured here, on this CPU.
     floor = max_difference(resnet_reference(4), load_model(tmp_path / "flat"))
-    port = common.free_port()
+    port = free_port()
     with simulated_cluster.SimulatedCluster(2, rate_mbit=1000) as cluster:
         jobs = [cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                                   f"--node-rank={i}", f"--master-addr={cluster.addresses[0]}", f"--master-port={port}",
@@ -145,7 +145,7 @@ def test_slurm_job_stopped_twice_requeues_resumes_and_ends_with_uninterrupted_we
         resolved = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
         assert not resolved & set(cluster.addresses), resolved   # torchrun's own guess cannot work
         submitted = slurm.run("sbatch", f"--output={log}", "--gpus-per-node=0", "--cpus-per-task=1",
-                              f"--export=ALL,PYTHON={sys.executable},OUT={out},RDZV_PORT={common.free_port()},"
+                              f"--export=ALL,PYTHON={sys.executable},OUT={out},RDZV_PORT={free_port()},"
                               f"GLOO_SOCKET_IFNAME=eth0,PYTHONUNBUFFERED=1",
                               "examples/slurm_ddp_resnet.sbatch", *PREEMPTIBLE, cwd=HERE)
         job = submitted.stdout.split()[-1]
@@ -198,7 +198,7 @@ def test_slurm_job_that_asked_for_gpus_and_sees_none_stops_saying_so(tmp_path):
 
 
 def test_two_nodes_train_like_one_process(resnet_tolerance, tmp_path):
-    endpoint = f"127.0.0.1:{common.free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                                "--rdzv-id=test", "ddp_resnet.py"] + RESNET + ["--out", str(tmp_path / f"n{i}")],

@@ -10,7 +10,7 @@ import ddp_resnet
 import ddp_toy
 import fsdp_resnet
 from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
-                     fashion_resnet, kill_tree, load_model, read, run, wait_for, write_gz_files)
+                     fashion_resnet, free_port, kill_tree, load_model, read, run, wait_for, write_gz_files)
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
@@ -203,7 +203,7 @@ def test_a_killed_rank_leaves_its_peer_to_end_at_once(tmp_path):
 # ---------------------------------------------------------------- several nodes, each with its own disk
 def two_nodes(folders, flags, timeout=120):
     """Two torchrun "nodes" of one process each, each started in its own folder (a disk of its own)."""
-    port = common.free_port()
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
                                os.path.join(HERE, "ddp_resnet.py")] + flags,
@@ -257,7 +257,7 @@ def test_checkpoint_only_rank_0_sees_is_resumed_by_every_rank(
     for folder in folders:
         (folder / "out").mkdir(parents=True)
     shutil.copy(mid_epoch_checkpoint_of_2_ranks, folders[0] / "out" / "checkpoint.pt")
-    port = common.free_port()
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
                                os.path.join(HERE, "ddp_resnet.py"), "--resume", "--out", "out"] + PREEMPTIBLE,

@@ -6,7 +6,7 @@ import json, os, re, signal, socket, subprocess, sys, time
 import pytest
 import torch
 import common
-from helpers import DATA, HERE, RESNET_LR, load_model, max_difference, once, wait_for
+from helpers import DATA, HERE, RESNET_LR, free_port, load_model, max_difference, once, wait_for
 
 FT = ["--train-samples", "96", "--test-samples", "50", "--batch-size", "16", "--micro-batch", "4", "--epochs", "1",
       "--lr", str(RESNET_LR), "--data-dir", DATA, "--member-timeout", "4", "--init-timeout", "30"]   # 6 steps
@@ -18,8 +18,8 @@ class Run:
     """A coordinator on free ports and members started and stopped at will; every process (and
     what it started) is ended at the end."""
     def __init__(self, tmp_path, *flags):
-        self.tmp, self.members, self.store_port = tmp_path, {}, str(common.free_port())
-        self.address = f"127.0.0.1:{common.free_port()}"
+        self.tmp, self.members, self.store_port = tmp_path, {}, str(free_port())
+        self.address = f"127.0.0.1:{free_port()}"
         self.coordinator = self.serve(*flags)
 
     def serve(self, *flags):
@@ -360,9 +360,9 @@ def test_bad_inputs_each_end_with_one_line(tmp_path):
         run.member("new", "--batch-size", "32", "--min-members", "2")   # no live member left: its flags are the run's
         wait_for(lambda: "joined run" in run.log("new"), 60, "a member with other flags to join")
     for command, line in (
-            (["--join", f"127.0.0.1:{common.free_port()}", "--init-timeout", "1"],
+            (["--join", f"127.0.0.1:{free_port()}", "--init-timeout", "1"],
              "error: no coordinator at 127.0.0.1:"),
-            (["--serve", f"0.0.0.0:{common.free_port()}"], "error: 0.0.0.0 can be reached from other machines, and "
+            (["--serve", f"0.0.0.0:{free_port()}"], "error: 0.0.0.0 can be reached from other machines, and "
                                                             "FT_SECRET is not set")):
         result = subprocess.run([sys.executable, "ft_ddp_resnet.py", *command, "--data-dir", DATA,
                                  "--out", str(tmp_path / "x")], cwd=HERE, capture_output=True, text=True, timeout=120,

@@ -9,7 +9,7 @@ import torch
 import common
 import scratch_lenet
 from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     load_model, resnet_reference, resnet_step, run, scratch_ring_trains_like_one_device)
+                     free_port, load_model, resnet_reference, resnet_step, run, scratch_ring_trains_like_one_device)
 
 
 def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
@@ -118,7 +118,7 @@ def test_no_process_group_thread_outlives_the_training(script, flags, tmp_path):
     flags = [str(tmp_path / f) if f == "not-a-folder" else f for f in flags]
     (tmp_path / "not-a-folder").write_text("a file")
     env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(common.free_port()))
+               MASTER_PORT=str(free_port()))
     result = run(["python", "tests/torchrun_checks.py", "threads-left", script, "--out", str(tmp_path)] + flags,
                  env=env)
     if refused:
