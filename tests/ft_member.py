@@ -35,7 +35,7 @@ def exchange_then_maybe_die(*args, **kwargs):
         die(after=0.02)
     attempts[0] += 1
     if where == "broken" and attempts[0] > at:
-        ft_ddp_resnet.leave_group()
+        ft_ddp_resnet.dist.destroy_process_group()
         return None, ft_ddp_resnet.failure(RuntimeError("Connection reset by peer (a broken link)"), time.monotonic())
     return exchange(*args, **kwargs)
 

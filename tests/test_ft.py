@@ -2,21 +2,22 @@
 plane that survives strangers, a hung coordinator and restarts. Three members and a coordinator on
 this machine, ResNet-18 on a tiny subset. The gradients are summed exactly, so every run ends with
 the weights of an uninterrupted run, bit for bit, whoever computed which micro-batch."""
-import json, os, re, signal, socket, subprocess, sys, time
+import datetime, json, os, re, signal, socket, subprocess, sys, threading, time
 import pytest
 import torch
+import torch.distributed as dist
 import common
 from helpers import DATA, HERE, RESNET_LR, free_port, load_model, max_difference, once, wait_for
 
 FT = ["--train-samples", "96", "--test-samples", "50", "--batch-size", "16", "--micro-batch", "4", "--epochs", "1",
-      "--lr", str(RESNET_LR), "--data-dir", DATA, "--member-timeout", "4", "--init-timeout", "30"]   # 6 steps
+      "--lr", str(RESNET_LR), "--data-dir", DATA, "--init-timeout", "30"]   # 6 steps
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FT_SECRET": "test-secret"}
 SUPERVISED = 'until "$@"; [ $? -le 1 ]; do sleep 1; done'   # the README's supervisor loop, for any command
 
 
 class Run:
-    """A coordinator on free ports and members started and stopped at will; every process (and
-    what it started) is ended at the end."""
+    """A coordinator on free ports (--member-timeout 4 unless `flags` say otherwise) and members started and
+    stopped at will; every process (and what it started) is ended at the end."""
     def __init__(self, tmp_path, *flags):
         self.tmp, self.members, self.store_port = tmp_path, {}, str(free_port())
         self.address = f"127.0.0.1:{free_port()}"
@@ -24,7 +25,7 @@ class Run:
 
     def serve(self, *flags):
         self.coordinator = self.start("coordinator", ["ft_ddp_resnet.py", "--serve", self.address,
-                                                      "--store-port", self.store_port, *flags])
+                                                      "--store-port", self.store_port, "--member-timeout", "4", *flags])
         return self.coordinator
 
     def start(self, name, command, env=None, supervised=False):
@@ -38,13 +39,15 @@ class Run:
     def member(self, name, *flags, dies=None, env=None, supervised=False):
         """Member `name` writes to tmp/name; `dies`: (where, step) for tests/ft_member.py."""
         script = ["tests/ft_member.py", dies[0], str(dies[1])] if dies else ["ft_ddp_resnet.py"]
-        self.members[name] = self.start(name, script + ["--join", self.address, "--store-port", self.store_port,
-                                                        "--out", str(self.tmp / name)] + FT + list(flags),
-                                        env, supervised)
+        self.members[name] = self.start(name, script + ["--join", self.address, "--out", str(self.tmp / name)] + FT
+                                        + list(flags), env, supervised)
         return self.members[name]
 
     def log(self, name):
         return (self.tmp / f"{name}.log").read_text()
+
+    def said(self, name):   # its lines but the one that names where the data were read
+        return [line for line in self.log(name).strip().splitlines() if not line.startswith("data: ")]
 
     def wait(self, *names, timeout=240):
         for name in names:
@@ -123,16 +126,16 @@ def paused(run, names, until, what):
             run.members[name].send_signal(signal.SIGCONT)
 
 
-PATIENT = ("--member-timeout", "60")
+PATIENT = ("--member-timeout", "60")   # the coordinator's
 
 
 def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted, tmp_path):
-    with Run(tmp_path) as run:
+    with Run(tmp_path, *PATIENT) as run:
         for name in ("m0", "m1"):
-            run.member(name, "--min-members", "3", *PATIENT)
-        run.member("m2", "--min-members", "3", *PATIENT, dies=("backward", 1))
+            run.member(name, "--min-members", "3")
+        run.member("m2", "--min-members", "3", dies=("backward", 1))
         run.wait("m2")
-        run.member("m2", *PATIENT)   # the supervisor's restart: the same command
+        run.member("m2")   # the supervisor's restart: the same command
         paused(run, ["m0", "m1"], lambda: run.log("m2").count("joined run") == 2, "m2 to join")
         assert max_difference(finished(run, "m0", "m1", "m2"), uninterrupted) == 0
         assert re.search(r"recovered live at step [1-5]", run.log("m2")), run.log("m2")
@@ -142,40 +145,44 @@ def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted
 def test_two_failures_in_a_row_a_failure_in_recovery_and_a_death_before_the_vote(uninterrupted, tmp_path):
     """m1 dies between its allreduce and its vote at step 1, m2 in backward at step 2; m1 restarted
     dies while receiving the state; restarted again it recovers. m0 went on throughout."""
-    with Run(tmp_path) as run:
-        run.member("m0", "--min-members", "3", *PATIENT)
-        run.member("m1", "--min-members", "3", *PATIENT, dies=("before-vote", 1))
-        run.member("m2", "--min-members", "3", *PATIENT, dies=("backward", 2))
+    with Run(tmp_path, *PATIENT) as run:
+        run.member("m0", "--min-members", "3")
+        run.member("m1", "--min-members", "3", dies=("before-vote", 1))
+        run.member("m2", "--min-members", "3", dies=("backward", 2))
         run.wait("m1", "m2")
-        run.member("m1", *PATIENT, dies=("recovery", 0))
+        run.member("m1", dies=("recovery", 0))
         paused(run, ["m0"], lambda: run.log("m1").count("joined run") == 2, "m1 to join")
         assert run.wait("m1") == [-signal.SIGKILL]
-        run.member("m1", *PATIENT)
+        run.member("m1")
         paused(run, ["m0"], lambda: run.log("m1").count("joined run") == 3, "m1 to join again")
         assert max_difference(finished(run, "m0", "m1"), uninterrupted) == 0
         assert "recovered live at step" in run.log("m1")
 
 
 def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(uninterrupted, tmp_path):
+    """Dropped, the member leaves when it wakes, with its checkpoint and exit 75 (its one way back); the
+    README's loop starts it again with --resume, and it rejoins."""
     with Run(tmp_path) as run:
-        for name in ("m0", "m1", "m2"):
+        for name in ("m0", "m1"):
             run.member(name, "--min-members", "3")
+        run.member("m2", "--min-members", "3", "--resume", supervised=True)
         wait_for(lambda: "generation 1" in run.log("m2"), 60, "the first generation")
         time.sleep(1.0)
-        run.members["m2"].send_signal(signal.SIGSTOP)
+        os.killpg(run.members["m2"].pid, signal.SIGSTOP)   # the member and its loop
         wait_for(lambda: re.search(r"member \d+ dropped", run.log("coordinator")), 30, "m2 dropped")
         # The others are held while it wakes and rejoins: on a busy machine they could finish the
         # run first (that case has its own test below).
         for name in ("m0", "m1"):
             run.members[name].send_signal(signal.SIGSTOP)
-        run.members["m2"].send_signal(signal.SIGCONT)
+        os.killpg(run.members["m2"].pid, signal.SIGCONT)
         wait_for(lambda: run.log("m2").count("joined run") == 2, 60, "m2 to rejoin")
         for name in ("m0", "m1"):
             run.members[name].send_signal(signal.SIGCONT)
         assert max_difference(finished(run, "m0", "m1", "m2"), uninterrupted) == 0
         log = run.log("m2")
-        assert "dropped by the coordinator" in log and log.count("joined run") == 2, log
-        # Woken, it rejoins at the step it had; if the others' failed step was not yet retried, the
+        assert re.search(r"at step (\d+): dropped by the coordinator .*; exit status 75\n(data: .*\n)?resumed from "
+                         r"\S+ \(run \w+\): step \1\n", log) and log.count("joined run") == 2, log
+        # Back, it rejoins at the step of its checkpoint; if the others' failed step was not yet retried, the
         # new generation starts there and nothing needs recovering; if they had gone on, it recovers.
         rejoined = re.search(r"joined run \S+ at \S+, at step (\d+)\n"
                              r".*generation \d+: \d+ member\(s\), from step (\d+)",
@@ -209,7 +216,7 @@ def test_a_member_woken_after_its_run_ended_says_so_and_ends_cleanly(uninterrupt
         assert not (tmp_path / "late" / "model.pt").exists()
         run.members["m1"].send_signal(signal.SIGCONT)
         assert run.wait("m1") == [0], run.log("m1")
-        assert "the run ended while this member hung" in run.log("m1") and "Traceback" not in run.log("m1")
+        assert "the run is over" in run.log("m1") and "Traceback" not in run.log("m1")
         assert run.wait("coordinator") == [0]
 
 
@@ -228,7 +235,7 @@ def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_
         assert run.wait("m0", "m1") == [75, 75], run.log("m0") + run.log("m1")
         saved = [torch.load(tmp_path / name / "checkpoint.pt") for name in ("m0", "m1")]
         assert saved[0]["step"] == saved[1]["step"] < 6, [s["step"] for s in saved]
-        assert all(f"stopped by SIGTERM at step {saved[0]['step']}" in run.log(name) for name in ("m0", "m1"))
+        assert all(f"at step {saved[0]['step']}: stopped by SIGTERM" in run.log(name) for name in ("m0", "m1"))
         run_id = saved[0]["run"]
         assert f"coordinator: run {run_id}:" in run.log("coordinator")
     checkpoint = str(tmp_path / "m0" / "checkpoint.pt")
@@ -237,11 +244,11 @@ def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_
         assert run.wait("stale") == [1]
         assert re.fullmatch(rf"resumed from \S+ \(run {run_id}\): step \d\nerror: its checkpoint is of run {run_id}, "
                             rf"and this coordinator serves run \w+: start it without --resume, or serve that run "
-                            rf"\(--run-id {run_id}\)\n", run.log("stale")), run.log("stale")
+                            rf"\(--run-id {run_id}\)", "\n".join(run.said("stale"))), run.log("stale")
     with Run(tmp_path, "--run-id", run_id) as run:
         run.member("wrong", "--resume", "--checkpoint", checkpoint, "--batch-size", "32")
         assert run.wait("wrong") == [1]
-        assert run.log("wrong").strip().splitlines() == [
+        assert run.said("wrong") == [
             f"error: cannot resume from {checkpoint}: it was written with other training flags (batch_size 16 "
             f"there, 32 here); use the same, or start without --resume"], run.log("wrong")
         for name in ("m0", "m1"):
@@ -271,11 +278,27 @@ def test_the_readme_supervisor_loop_continues_the_run_after_the_coordinator_is_k
 def test_strangers_bytes_and_floods_end_only_their_own_connections(uninterrupted, tmp_path):
     """A health check, a port scan's bytes, JSON of no use, an unproven `done`, a joiner claiming step
     10^9 without the secret, a line with no end, a member with another FT_SECRET and 100 idle
-    connections: each refused in one line; the run goes on, bit-equal."""
+    connections: each refused in one line. The coordinator and its store are out of reach of another
+    address; a stranger writing into the store all the while (the keys of each generation as they were
+    named before, gen1/..., which gloo reads the members' addresses from) reaches no group. The run goes
+    on, bit-equal."""
     host, port = None, None
     with Run(tmp_path) as run:
         host, port = run.address.split(":")
         wait_for(lambda: "members join at" in run.log("coordinator"), 30, "the coordinator")
+        for other in (("127.0.0.2", int(port)), ("127.0.0.2", int(run.store_port))):   # bound to 127.0.0.1 alone
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(other, timeout=10)
+        stranger = dist.TCPStore(host, int(run.store_port), timeout=datetime.timedelta(seconds=30))
+        guesses = [f"{prefix}{gen}/0//cpu//0/{rank}" for prefix in ("gen", "") for gen in (1, 2, 3) for rank in (0, 1)]
+        done = threading.Event()
+
+        def write_all_the_while():   # until the run ends (and its store with it)
+            while not done.wait(0.02):
+                for key in guesses:
+                    stranger.set(key, "127.0.0.1:9 from a stranger")
+        writer = threading.Thread(target=write_all_the_while, daemon=True)
+        writer.start()
         strays = [b"GET / HTTP/1.0\r\n\r\n", b"x\n", b"[]\n", b"{}\n", b'{"op": "done"}\n', b"\xff\xfe\n",
                   b'{"op": "join", "proof": "00", "challenge": "a", "flags": {}, "step": 1000000000, "run": null}\n',
                   b"[" * 70000]
@@ -285,12 +308,16 @@ def test_strangers_bytes_and_floods_end_only_their_own_connections(uninterrupted
                 s.recv(1000)   # the challenge; then the coordinator closes it
         run.member("intruder", env={**ENV, "FT_SECRET": "another"})
         assert run.wait("intruder") == [1]
-        assert run.log("intruder").strip().splitlines() == [
+        assert run.said("intruder") == [
             f"error: {run.address} refused this member or does not know FT_SECRET: give the coordinator and every "
             f"member the same FT_SECRET"], run.log("intruder")
         idle = [socket.create_connection((host, int(port))) for _ in range(100)]   # 64 wait, 36 are refused
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "2")
+        members_keys = lambda: set(stranger.list_keys()) - set(guesses)
+        wait_for(members_keys, 120, "the members' keys in the store")
+        assert all(re.fullmatch(r"[0-9a-f]{32}/.+", key) for key in members_keys()), members_keys()   # no guess
+        done.set()
         weights = finished(run, "m0", "m1")
         for s in idle:
             s.close()
@@ -314,7 +341,7 @@ def test_a_hung_coordinator_and_a_sigterm_while_waiting_each_end_a_member_with_i
         run.members["alone"].send_signal(signal.SIGTERM)
         assert run.wait("alone") == [75]
         assert time.monotonic() - signalled < 15   # (unsignalled, it would wait for its quorum for ever)
-        assert "stopped by SIGTERM at step 0" in run.log("alone")
+        assert "at step 0: stopped by SIGTERM" in run.log("alone")
         assert (tmp_path / "alone" / "checkpoint.pt").exists()
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "2")
@@ -345,27 +372,60 @@ def test_a_step_that_fails_again_and_again_ends_the_run_with_one_line_naming_it(
 
 
 def test_bad_inputs_each_end_with_one_line(tmp_path):
+    """Other training flags, or other threads (not a flag: the line says what to set); no coordinator; serving
+    0.0.0.0 without FT_SECRET; a store port in use; training flags given to the coordinator."""
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "2")
         wait_for(lambda: "joined run" in run.log("m0"), 60, "m0 to join")   # its flags are the run's
         run.member("other", "--batch-size", "32", "--min-members", "2")
         assert run.wait("other") == [1]
-        assert "error: this member's training flags differ from the run's (batch_size 32 here, 16 in the run" in \
-            run.log("other")
-        run.member("timeout", "--min-members", "2", "--member-timeout", "5")
-        assert run.wait("timeout") == [1]
-        assert "(member_timeout 5.0 here, 4.0 in the run)" in run.log("timeout"), run.log("timeout")
+        assert "error: this member differs from the run (batch_size 32 here, 16 in the run; final_step 3 here, 6 in " \
+               "the run): start it with the run's training flags" in run.log("other"), run.log("other")
+        run.member("threads", "--min-members", "2", env={**ENV, "OMP_NUM_THREADS": "2"})
+        assert run.wait("threads") == [1]
+        assert "error: this member differs from the run (threads 2 here, 1 in the run): start it with the run's " \
+               "OMP_NUM_THREADS" in run.log("threads"), run.log("threads")
         run.members["m0"].send_signal(signal.SIGTERM)
         assert run.wait("m0") == [75]
         run.member("new", "--batch-size", "32", "--min-members", "2")   # no live member left: its flags are the run's
         wait_for(lambda: "joined run" in run.log("new"), 60, "a member with other flags to join")
-    for command, line in (
-            (["--join", f"127.0.0.1:{free_port()}", "--init-timeout", "1"],
-             "error: no coordinator at 127.0.0.1:"),
-            (["--serve", f"0.0.0.0:{free_port()}"], "error: 0.0.0.0 can be reached from other machines, and "
-                                                            "FT_SECRET is not set")):
-        result = subprocess.run([sys.executable, "ft_ddp_resnet.py", *command, "--data-dir", DATA,
-                                 "--out", str(tmp_path / "x")], cwd=HERE, capture_output=True, text=True, timeout=120,
-                                env={k: v for k, v in ENV.items() if k != "FT_SECRET"})
-        assert result.returncode == 1 and result.stderr.startswith(line), result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = str(taken.getsockname()[1])
+        for command, code, line in (
+                (["--join", f"127.0.0.1:{free_port()}", "--init-timeout", "1", "--data-dir", DATA, "--out",
+                  str(tmp_path / "x")], 1, "error: no coordinator at 127.0.0.1:"),
+                (["--serve", f"0.0.0.0:{free_port()}"], 1, "error: 0.0.0.0 can be reached from other machines, and "
+                                                            "FT_SECRET is not set"),
+                (["--serve", f"127.0.0.1:{free_port()}", "--store-port", busy], 1,
+                 f"error: cannot listen at 127.0.0.1:{busy} (--store-port): Address already in use"),
+                (["--serve", f"127.0.0.1:{free_port()}", "--batch-size", "32"], 2, "usage:")):
+            result = subprocess.run([sys.executable, "ft_ddp_resnet.py", *command], cwd=HERE, capture_output=True,
+                                    text=True, timeout=120, env={k: v for k, v in ENV.items() if k != "FT_SECRET"})
+            assert result.returncode == code and result.stderr.startswith(line), result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1 or code == 2, result.stderr
+    assert "unrecognized arguments: --batch-size 32" in result.stderr, result.stderr
+
+
+def test_a_link_lost_or_a_sigterm_in_the_handshake_ends_a_member_with_75(tmp_path):
+    """Its connection closed before the coordinator answers, or a SIGTERM while it waits for the answer: the
+    member writes its checkpoint and exits 75, which the README's loop tries again (a wrong FT_SECRET is 1)."""
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        fake.settimeout(120)
+        address = f"127.0.0.1:{fake.getsockname()[1]}"
+        for name in ("closed", "sigterm"):
+            member = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--join", address, "--out",
+                                       str(tmp_path / name)] + FT, cwd=HERE, env=ENV, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            connection, _ = fake.accept()
+            connection.sendall(b'{"challenge": "c"}\n')
+            connection.recv(65536)   # its join, with its proof
+            if name == "closed":
+                connection.close()
+            else:
+                member.send_signal(signal.SIGTERM)
+            out = member.communicate(timeout=60)[0]
+            connection.close()
+            assert member.returncode == 75, out
+            why = "lost the coordinator at" if name == "closed" else "stopped by SIGTERM"
+            assert f"this member at step 0: {why}" in out and "Traceback" not in out and "FT_SECRET" not in out, out
+            assert (tmp_path / name / "checkpoint.pt").exists()
