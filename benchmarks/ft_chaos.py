@@ -50,10 +50,11 @@ def run(args, out, faults):
     head = "10.99.0.1"
     flags = ["--train-samples", str(args.batch_size * 400), "--test-samples", "100", "--batch-size",
              str(args.batch_size), "--micro-batch", str(args.batch_size // 3), "--epochs", "100", "--max-steps",
-             str(args.steps), "--lr", "0.02", "--member-timeout", str(args.member_timeout), "--data-dir",
-             os.path.join(ROOT, "data"), "--min-members", "3", "--init-timeout", "600"]
+             str(args.steps), "--lr", "0.02", "--data-dir", os.path.join(ROOT, "data"), "--min-members", "3",
+             "--init-timeout", "600"]
     env = {"OMP_NUM_THREADS": "1", "FT_SECRET": "chaos-benchmark", "PYTHONUNBUFFERED": "1"}
-    serve = [sys.executable, os.path.join(ROOT, "ft_ddp_resnet.py"), "--serve", f"{head}:{PORT}", "--run-id", "chaos"]
+    serve = [sys.executable, os.path.join(ROOT, "ft_ddp_resnet.py"), "--serve", f"{head}:{PORT}", "--run-id", "chaos",
+             "--member-timeout", str(args.member_timeout)]
     if args.torchft:   # its lighthouse in the coordinator's place, at the settings stated in --help
         serve = [sys.executable, "-c", "import time; from torchft.coordination import LighthouseServer; "
                  f"server = LighthouseServer(bind='0.0.0.0:{PORT}', min_replicas=2, join_timeout_ms={args.join_ms}, "

@@ -80,7 +80,7 @@ def torchft_member(lighthouse, replica, steps, timeout_s, host="127.0.0.1", batc
         manager.start_quorum()
         optimizer.zero_grad()
         share = batch // 3
-        idx = ft_ddp_resnet.global_batch(len(y), batch, 0, 1, step)[share * replica:share * (replica + 1)]
+        idx = ft_ddp_resnet.epoch_order(len(y), 0, 1)[step * batch:][:batch][share * replica:share * (replica + 1)]
         F.cross_entropy(net(X[idx]), y[idx]).backward()
         params = list(net.parameters())
         flat = torch.cat([p.grad.flatten() for p in params])
@@ -125,10 +125,9 @@ def run_ft(out, steps, kill_at, how="kill", timeout_s=10, sums="float64"):
     address, store = f"127.0.0.1:{free_port()}", ["--store-port", str(free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--train-samples", str(24 * steps), "--test-samples", "10", "--batch-size", "24", "--micro-batch", "8",
-             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--member-timeout", str(timeout_s), "--sums", sums,
-             *store]
-    coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address, *store], cwd=ROOT, env=env,
-                                   stdout=subprocess.DEVNULL)
+             "--epochs", "1", "--lr", "0.002", "--min-members", "3", "--sums", sums]
+    coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", address, *store, "--member-timeout",
+                                    str(timeout_s)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     logs = [open(os.path.join(out, f"m{i}.log"), "w+") for i in range(3)]
     members = [subprocess.Popen([sys.executable, __file__, "stamped", "ft", "--join", address,
                                  "--out", os.path.join(out, f"m{i}")] + flags, cwd=ROOT, env=env, stdout=log,
