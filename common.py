@@ -1,37 +1,22 @@
-"""What the scripts share and is not their lesson: the device, the data and its loaders, accuracy over all
-ranks, atomic writes and the resume's checks, the outputs."""
-import argparse, atexit, contextlib, gc, gzip, hashlib, json, math, multiprocessing, os, shutil, signal, socket, sys
-import time, traceback
+"""What the scripts share and is not their lesson: the device and the group, the data's loaders, accuracy over all
+ranks, a stop all ranks agree on, atomic writes and the resume's checks, the outputs."""
+import argparse, atexit, contextlib, gc, glob, hashlib, json, math, multiprocessing, os, pathlib, signal, sys, time
+import traceback
 import torch
 import torch.distributed as dist
 import torch.distributed.nn   # noqa: F401  before any group: imported later (DDP, torch.compile, torchvision do), its
 # functions keep the group as a default argument past destroy_process_group, and gloo's threads can abort the exit
 from torch.distributed.rendezvous import rendezvous
-import matplotlib   # noqa: F401  curves.png is drawn with it at the end: missing, a run stops at its start
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
+from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
+from matplotlib.ticker import MaxNLocator
 
 # ---------------------------------------------------------------- the device and the group
-def pick_backend(cuda=None, platform=sys.platform):
-    # NCCL exists only for CUDA on Linux; gloo runs everywhere (on Windows set USE_LIBUV=0), on CPU tensors and
-    # CUDA ones alike (--backend gloo lets several ranks share one GPU).
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    return "nccl" if cuda and platform.startswith("linux") else "gloo"
-
-def free_port():
-    with socket.socket() as s:   # port 0: the OS picks one nobody uses, so two jobs never collide
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 def default_to_one_process():
-    """Run by plain `python script.py` (no launcher): a group of one on this machine."""
+    """Run by plain `python script.py` (no launcher): a group of one on this machine, on any free port."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-
-def cpu_share(processes):
-    """This process's share of the cores it may run on (os.sched_getaffinity exists on Linux only)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // processes)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="0")
 
 def pick_device(backend, gpus_each=1, cuda=None):
     """GPU LOCAL_RANK x gpus_each (NCCL refuses two processes on one GPU, gloo lets them share), else the CPU."""
@@ -40,20 +25,19 @@ def pick_device(backend, gpus_each=1, cuda=None):
     if not cuda:
         if backend == "nccl":
             sys.exit(f"rank {os.environ.get('RANK', 0)}: error: --backend nccl needs GPUs, and this machine has none")
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(cpu_share(here))
+        if "OMP_NUM_THREADS" not in os.environ:   # torchrun sets 1; started otherwise, a node's ranks share its cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // here))
         return torch.device("cpu")
     if backend == "nccl" and here * gpus_each > torch.cuda.device_count():
-        each = f" x {gpus_each} GPUs each" if gpus_each > 1 else ""
-        sys.exit(f"rank {os.environ['RANK']}: error: {here} processes{each} on this node but "
-                 f"{torch.cuda.device_count()} GPUs; start at most one per GPU, or let them share: --backend gloo")
+        sys.exit(f"rank {os.environ['RANK']}: error: {here} processes x {gpus_each} GPUs on this node, which has "
+                 f"{torch.cuda.device_count()}; start at most one per GPU, or let them share: --backend gloo")
     device = torch.device("cuda", local_rank * gpus_each % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
 def attempt_store():
-    """torchrun's store (env://), with this attempt's keys apart: after a restart (--max-restarts) it still
-    holds the last attempt's, whose addresses are gone, and a rank that read one would fail to connect."""
+    """torchrun's store (env://), this attempt's keys apart from the last one's, whose addresses are gone. Each
+    node's agent counts its restarts alone (pytorch#135712): on several nodes, let the scheduler restart a job."""
     store, _, _ = next(rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
@@ -77,12 +61,12 @@ def every_rank(value, world_size):   # [rank 0's value, rank 1's, ...]
     return values
 
 def load_on_every_rank(load, world_size):
-    """load() on each node's first process, then on the others (a download happens once a node, on its own
-    disk). A refusal (SystemExit) on any rank ends every rank at once: that rank says why."""
-    first_here, loaded = int(os.environ.get("LOCAL_RANK", 0)) == 0, None
-    for turn in (True, False):
+    """load() on each node's first process, then on its others (a download happens once a node). A refusal
+    (SystemExit) on any rank ends every rank at once: that rank says why."""
+    loaded = None
+    for first in (True, False):
         problem = None
-        if first_here == turn:
+        if (os.environ.get("LOCAL_RANK", "0") == "0") == first:
             try:
                 loaded = load()
             except SystemExit as e:
@@ -94,93 +78,132 @@ def load_on_every_rank(load, world_size):
             sys.exit(f"stopping: rank {[bool(p) for p in problems].index(True)} cannot go on (its line says why)")
     return loaded
 
-# ---------------------------------------------------------------- data: Fashion-MNIST, or your image folders
-FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-         "t10k-labels-idx1-ubyte.gz")
-DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
-MEAN, STD = 0.2860, 0.3530    # of the training images, for inputs near zero mean, unit variance
+# ---------------------------------------------------------------- data: Fashion-MNIST, images, batches
+MEAN, STD = 0.2860, 0.3530    # of Fashion-MNIST's training images, for inputs near zero mean, unit variance
 
-def fashion_mnist(data_dir, train_samples=None, test_samples=None):
-    """(training set, test set, 10): torchvision's FashionMNIST, the first N images of each, normalised, as
-    TensorDatasets. The four .gz files in data_dir (or Debian's) are unpacked where torchvision reads them
-    (it checks no checksum there); else torchvision downloads them; else the error says what to do."""
+def fashion_mnist(data_dir=None, train_samples=None, test_samples=None):
+    """(training set, test set, 10): torchvision's FashionMNIST, the first N images of each, normalised. It is
+    downloaded only into the default folder, ./data: a folder you name, mistyped too, is never filled."""
     from torchvision.datasets import FashionMNIST
-    raw = os.path.join(data_dir, "FashionMNIST", "raw")
-    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        sys.exit(f"error: --data-dir {data_dir} is not a folder")
-    if os.path.isdir(data_dir) and os.listdir(data_dir) and not {"FashionMNIST", *FILES} & set(os.listdir(data_dir)):
-        sys.exit(f"error: --data-dir {data_dir} holds neither Fashion-MNIST (its four .gz files, or FashionMNIST/) "
-                 f"nor train/ and val/ (a subfolder of images per class)")
-    for name in FILES:
-        found = [p for p in (os.path.join(data_dir, name), os.path.join(DEBIAN_DIR, name)) if os.path.isfile(p)]
-        if found and not os.path.isfile(os.path.join(raw, name[:-3])):
-            try:
-                os.makedirs(raw, exist_ok=True)
-                save_atomically(lambda tmp: shutil.copyfileobj(gzip.open(found[0]), open(tmp, "wb")),
-                                os.path.join(raw, name[:-3]))
-            except (OSError, EOFError) as e:
-                sys.exit(f"error: {found[0]} is truncated or corrupt, or {raw} not writable ({e}); delete it, "
-                         f"or make {raw} writable")
+    raw = os.path.join(data_dir or "data", "FashionMNIST", "raw")
+    if data_dir and not os.path.isdir(data_dir):
+        found = "is not a folder" if os.path.exists(data_dir) else "does not exist"
+        sys.exit(f"error: --data-dir {data_dir} {found}")
+    if data_dir and not os.path.isdir(raw):
+        sys.exit(f"error: --data-dir {data_dir} holds neither Fashion-MNIST ({raw}) nor, for the ResNet scripts, "
+                 f"train/ and val/ (a subfolder of images per class)")
     sets = []
     for train, n in ((True, train_samples), (False, test_samples)):
         try:
-            data = FashionMNIST(data_dir, train=train, download=True)
+            data = FashionMNIST(data_dir or "data", train=train, download=not data_dir)
         except Exception as e:
-            sys.exit(f"error: Fashion-MNIST is not in {os.path.abspath(raw)}, nor can it be read or downloaded "
-                     f"({' '.join(str(e).split())[:200]}). Do one of:\n- put these four files in "
-                     f"{os.path.abspath(data_dir)} (from https://github.com/zalandoresearch/fashion-mnist):\n  "
-                     + "\n  ".join(FILES) + "\n- on Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist "
-                     f"(found in {DEBIAN_DIR})\n- on a machine with internet: python -c \"import torchvision; "
-                     f"torchvision.datasets.FashionMNIST('{data_dir}', download=True)\", then copy the folder")
+            sys.exit(f"error: cannot read Fashion-MNIST in {os.path.abspath(raw)} ({' '.join(str(e).split())[:200]})."
+                     f" Do one of:"
+                     f"\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks dataset-fashion-mnist there)\n- on "
+                     f"a machine with internet: python -c \"import torchvision; torchvision.datasets.FashionMNIST("
+                     f"'data', download=True)\", then copy data/ here")
         images = (data.data[:n].float() / 255 - MEAN) / STD
         sets.append(TensorDataset(images.unsqueeze(1), data.targets[:n]))
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"data: Fashion-MNIST from {os.path.abspath(raw)}", flush=True)
     return sets[0], sets[1], 10
 
-def read_image(path):   # PIL's errors do not all name the file
+def read_image(path, mode=None):   # in `mode`, else gray or RGB as it is; PIL's errors do not all name the file
     from PIL import Image
     try:
         with Image.open(path) as image:
-            return image.convert("L" if image.mode in ("1", "L") else "RGB")   # decodes it: a truncated one fails
+            return image.convert(mode or ("L" if image.mode in ("1", "L") else "RGB"))   # a truncated one fails here
     except Exception as e:
         raise RuntimeError(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): replace or remove it")
 
-def image_folders(data_dir, image_size, augment, train_samples=None, test_samples=None):
-    """(training set, validation set, classes): ImageFolders of data_dir/train (randomly cropped and flipped with
-    `augment`) and data_dir/val, grayscale if the first image is; N images of a folder spread over its classes."""
-    from torchvision import datasets, transforms as T
-    made = []
-    for split, n in (("train", train_samples), ("val", test_samples)):
-        try:
-            made.append(datasets.ImageFolder(os.path.join(data_dir, split), loader=read_image))
-        except (FileNotFoundError, OSError) as e:   # no class folders, a class without images
-            sys.exit(f"error: {os.path.join(data_dir, split)}: {e}")
-        if n and n < len(made[-1].samples):
-            made[-1].samples = [made[-1].samples[i * len(made[-1].samples) // n] for i in range(n)]
-    if made[0].classes != made[1].classes:
-        only = " ".join(sorted(set(made[0].classes) ^ set(made[1].classes)))
-        sys.exit(f"error: {data_dir}/train and {data_dir}/val have other class folders ({only} in one only)")
-    gray = read_image(made[0].samples[0][0]).mode == "L"
-    normalise = [T.ToTensor(), T.Normalize((MEAN,), (STD,)) if gray else
-                 T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]   # Fashion-MNIST's, or ImageNet's
-    made[1].transform = T.Compose([T.Resize(image_size), T.CenterCrop(image_size)] + normalise)
-    made[0].transform = made[1].transform
-    if augment:
-        made[0].transform = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] + normalise)
-    return made[0], made[1], len(made[0].classes)
-
 def check_batch(global_batch, world_size, train_samples, rank):   # the per-rank batch, or a refusal by rank 0
-    problem = None
     if global_batch % world_size:
-        problem = f"error: --batch-size {global_batch} does not divide by the {world_size} ranks"
-    elif train_samples < global_batch:
-        problem = f"error: {train_samples} training samples are fewer than --batch-size {global_batch}"
-    if problem:
-        sys.exit(problem if rank == 0 else 1)
-    if train_samples % global_batch and rank == 0:
-        print(f"note: {train_samples} training images make {train_samples // global_batch} global batches of "
-              f"{global_batch} per epoch: {train_samples % global_batch} are left out of each epoch (other ones "
-              f"each epoch, drawn with the order)", flush=True)
+        sys.exit(f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if rank == 0 else 1)
+    if train_samples < global_batch:
+        sys.exit(f"error: {train_samples} training samples are fewer than --batch-size {global_batch}"
+                 if rank == 0 else 1)
     return global_batch // world_size
+
+class Seeded(Dataset):
+    """`dataset`'s items, each drawn with torch's generator seeded from (seed, epoch, index): the same augmentation
+    at any world size and number of workers, and after a resume. The epoch is in memory the workers share."""
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, torch.zeros(1, dtype=torch.int64).share_memory_()
+    def __len__(self):
+        return len(self.dataset)
+    def __getitem__(self, index):
+        key = f"{self.seed} {int(self.epoch)} {index}".encode()   # any --seed, to the 64 bits manual_seed takes
+        with torch.random.fork_rng(devices=[]):   # the caller's generator as it was
+            torch.default_generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big"))
+            return self.dataset[index]
+
+class ResumableSampler(DistributedSampler):
+    """One order per epoch from seed + epoch; rank r's k-th batch is positions r, r+W, ... of block k of it: the
+    same global batches at any world size. set_epoch(epoch, start) begins at batch `start` (a resume)."""
+    def __init__(self, dataset, rank_batch, rank, world_size, seed):
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.rank_batch, self.start = rank_batch, 0
+    def set_epoch(self, epoch, start=0):
+        super().set_epoch(epoch)
+        self.start = start
+        if isinstance(self.dataset, Seeded):
+            self.dataset.epoch.fill_(epoch)
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start * self.rank_batch:])
+    def __len__(self):
+        return super().__len__() - self.start * self.rank_batch
+
+def ignore_stop_signals(worker_id):   # SLURM signals every process: the rank decides, and ends its workers
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+@atexit.register
+def kill_workers():   # they ignore SIGTERM, which multiprocessing would send them at exit, then wait for ever
+    for child in multiprocessing.active_children():
+        child.kill()
+
+def loader(dataset, batches, device, workers=0, **options):
+    """Batches in pinned memory for the GPU, each copied as the step begins, without waiting. Tensors in memory:
+    one indexing a batch. Any other Dataset: in `workers` processes forked by a fork server that has imported
+    torchvision once (one forked from a rank whose gloo threads hold a lock can hang)."""
+    if isinstance(dataset, TensorDataset):
+        return DataLoader(dataset, sampler=batches, batch_size=None, pin_memory=device.type == "cuda")
+    context = None
+    if workers and sys.platform == "linux":
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", "torchvision"])
+    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
+                      worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
+
+def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
+    """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch. A
+    Dataset but tensors in memory draws its random numbers from (seed, epoch, index)."""
+    if not isinstance(dataset, TensorDataset):
+        dataset = Seeded(dataset, seed)
+    sampler = ResumableSampler(dataset, global_batch // world_size, rank, world_size, seed)
+    batches = BatchSampler(sampler, global_batch // world_size, drop_last=True)
+    return loader(dataset, batches, device, workers, persistent_workers=workers > 0), sampler
+
+def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
+    """This rank's slice, each image once (DistributedSampler repeats or drops some), as many batches on all ranks."""
+    mine = torch.arange(len(dataset)).tensor_split(world_size)[rank]
+    chunks = [c.tolist() for c in mine.tensor_split(max(1, math.ceil(len(dataset) / world_size / batch_size)))]
+    return loader(dataset, chunks, device, min(workers, len(chunks)))
+
+@torch.no_grad()
+def accuracy(predict, batches, device, world_size):
+    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing: integers on `device`
+    (CUDA refuses to stack a CPU tensor with its own), exact at any size."""
+    totals = torch.zeros(2, device=device, dtype=torch.int64)
+    for X, y in batches:
+        y = y.to(device, non_blocking=True)
+        totals[0] += (predict(X.to(device, non_blocking=True)).argmax(1) == y).sum()
+        totals[1] += len(y)   # a Python number: added on the device, no copy
+    if world_size > 1:
+        dist.all_reduce(totals)
+    correct, count = totals.tolist()
+    return correct / count
 
 # ---------------------------------------------------------------- the model and the recipe
 def resnet(arch, classes, seed, channels=3, image_size=224):
@@ -211,106 +234,7 @@ def sgd_recipe(net, lr, weight_decay, warmup_steps, total_steps):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
-# ---------------------------------------------------------------- batches, and accuracy over all ranks
-class Seeded(Dataset):
-    """`dataset`'s items, each drawn with torch's generator seeded from (seed, epoch, index): the same random
-    augmentation at any world size and number of workers, and after a resume. The epoch is in shared memory:
-    the sampler sets it, the workers (which hold copies of this object) see it."""
-    def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, torch.zeros(1, dtype=torch.int64).share_memory_()
-    def __len__(self):
-        return len(self.dataset)
-    def __getitem__(self, index):
-        key = f"{self.seed} {int(self.epoch)} {index}".encode()   # any --seed, to the 64 bits manual_seed takes
-        with torch.random.fork_rng(devices=[]):   # the caller's generator as it was
-            torch.default_generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big"))
-            return self.dataset[index]
-
-class ResumableSampler(DistributedSampler):
-    """One order per epoch from seed + epoch; rank r's k-th batch is positions r, r+W, ... of block k of it: the
-    same global batches at any world size. set_epoch(epoch, start) begins at batch `start` (a resume)."""
-    def __init__(self, dataset, rank_batch, rank, world_size, seed):
-        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.rank_batch, self.start = rank_batch, 0
-    def set_epoch(self, epoch, start=0):
-        super().set_epoch(epoch)
-        self.start = start
-        if isinstance(self.dataset, Seeded):
-            self.dataset.epoch.fill_(epoch)
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start * self.rank_batch:])
-    def __len__(self):
-        return super().__len__() - self.start * self.rank_batch
-
-class IndexTensors:
-    """Batches of indices copied to the data's device from pinned memory, without waiting (a list index is
-    copied synchronously, once per tensor indexed)."""
-    def __init__(self, batches, device):
-        self.batches, self.device = batches, device
-    def __iter__(self):
-        for batch in self.batches:
-            index = torch.tensor(batch)
-            if self.device.type == "cuda":
-                index = index.pin_memory()
-            yield index.to(self.device, non_blocking=True)
-    def __len__(self):
-        return len(self.batches)
-
-def ignore_stop_signals(worker_id):   # SLURM signals every process: the rank decides, and ends its workers
-    for name in ("SIGTERM", "SIGUSR1"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-def kill_workers():   # at exit: they ignore SIGTERM, which multiprocessing would send them and wait on for ever
-    for child in multiprocessing.active_children():
-        child.kill()
-
-def loader(dataset, batches, device, workers=0, **options):
-    """Tensors in memory: one indexing a batch. Any other Dataset: in `workers` processes forked by a fork
-    server that has imported torchvision once (one forked from a rank whose gloo threads hold a lock can hang)."""
-    if isinstance(dataset, TensorDataset):
-        return DataLoader(dataset, sampler=IndexTensors(batches, dataset.tensors[0].device), batch_size=None)
-    context = None
-    if workers:
-        atexit.register(kill_workers)
-        if sys.platform == "linux":
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["__main__", "torchvision"])
-    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
-                      worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
-
-def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
-    """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch.
-    Tensors are held on `device`; any other Dataset draws its random numbers from (seed, epoch, index)."""
-    if isinstance(dataset, TensorDataset):
-        dataset = TensorDataset(*(t.to(device) for t in dataset.tensors))
-    else:
-        dataset = Seeded(dataset, seed)
-    sampler = ResumableSampler(dataset, global_batch // world_size, rank, world_size, seed)
-    batches = BatchSampler(sampler, global_batch // world_size, drop_last=True)
-    return loader(dataset, batches, device, workers, persistent_workers=workers > 0), sampler
-
-def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
-    """This rank's slice, each image once (DistributedSampler repeats or drops some), as many batches on all ranks."""
-    mine = torch.arange(len(dataset)).tensor_split(world_size)[rank]
-    chunks = [c.tolist() for c in mine.tensor_split(max(1, -(-len(dataset) // world_size // batch_size)))]
-    return loader(dataset, chunks, device, min(workers, len(chunks)))
-
-@torch.no_grad()
-def accuracy(predict, batches, device, world_size):
-    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing. Both counts live
-    on `device` (CUDA refuses to stack a CPU tensor with its own) as integers: exact at any size."""
-    totals = torch.zeros(2, device=device, dtype=torch.int64)
-    for X, y in batches:
-        y = y.to(device, non_blocking=True)
-        totals[0] += (predict(X.to(device, non_blocking=True)).argmax(1) == y).sum()
-        totals[1] += len(y)   # a Python number: added on the device, no copy
-    if world_size > 1:
-        dist.all_reduce(totals)
-    correct, count = totals.tolist()
-    return correct / count
-
-# ---------------------------------------------------------------- a stop all ranks agree on
+# ---------------------------------------------------------------- a stop all ranks agree on, and the resume
 PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0 (a finished training), not 1 (something broke)
 
 class StopSignal:
@@ -332,54 +256,59 @@ class StopSignal:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return signal.Signals(flag.item()).name if flag.item() else None
 
-def stopped(signal_name, step, checkpoint, master):   # the agreed stop, said: exit status 75
-    if master:
-        print(f"stopped by {signal_name} at step {step}, checkpoint written; exit status {PREEMPTED} (not finished, "
-              f"nothing failed): run again with --resume to go on from {checkpoint}", flush=True)
-    return PREEMPTED
-
-# ---------------------------------------------------------------- checkpoints: written atomically, resumed alike
 def sync(path):   # a file's or folder's contents to disk (a rename is durable once its folder is synced)
-    with contextlib.suppress(OSError):   # a folder cannot be opened on Windows
+    with contextlib.suppress(OSError):   # a folder cannot be opened on Windows, nor synced on some file systems
         fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 def save_atomically(write, path):
-    """write(tmp), sync, rename, sync the folder: after a crash the file is the old or the new one."""
+    """write(tmp), sync, rename, sync the folder: after a crash the file is the old or the new one. A failed write
+    removes its temporary file; a killed one's is removed by the next save of `path`."""
+    for left in glob.glob(f"{glob.escape(path)}.tmp[0-9]*"):   # as large as the file: retries would fill a disk
+        os.remove(left)
     tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    sync(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        sync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     sync(os.path.dirname(os.path.abspath(path)))
 
-# what does not change the batches or the steps (as the world size does not)
+# what does not change the batches or the steps; "BatchNorm's batch" changes them a little, and is said
 MAY_DIFFER = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "workers", "data_dir",
-              "test_samples", "compile", "channels_last", "accum_steps", "backend")
+              "test_samples", "compile", "channels_last", "accum_steps", "backend", "BatchNorm's batch")
 
 def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
-    """A checkpoint of other training flags is refused in one line: it would go on with other batches, or another
-    schedule."""
+    """Other training flags than the checkpoint's are refused: they would go on with other batches or schedule."""
     differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in here.items()
               if k not in may_differ and saved.get(k) != v]
     if differ:
         sys.exit(f"error: cannot resume from {path}: it was written with other training flags ({'; '.join(differ)}); "
                  f"use the same, or start without --resume" if master else 1)
 
-def resume_position(saved, flags, path, steps_per_epoch, max_steps, last_step, master):
+def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
     """Where a checkpoint of the same flags goes on, said in one line; None when nothing is left to train."""
     resume_check(saved["flags"], flags, path, master)
     position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
-    if position["step"] >= min(max_steps or last_step, last_step):
-        limit = f"--max-steps {max_steps}" if max_steps and max_steps < last_step else f"the last step, {last_step}"
+    if position["step"] >= final_step:
         if master:
-            print(f"nothing to train: {path} is at step {position['step']}, at or past {limit}", flush=True)
+            print(f"nothing to train: {path} is at step {position['step']}, and this run ends at step {final_step}")
         return None
     where = f"epoch {position['epoch'] - 1} done"
     if position["batch_in_epoch"]:
         where = f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}"
+    before, now = saved["flags"].get("BatchNorm's batch"), flags.get("BatchNorm's batch")
     if master:
         print(f"resumed from {path}: {where}, step {position['step']}", flush=True)
+    if master and before != now:
+        print(f"note: BatchNorm now normalises {now} images at a time, {before} before: the run goes on close to, "
+              f"not the same as, one never stopped (the same ranks x --accum-steps keep it the same)", flush=True)
     return position
 
 # ---------------------------------------------------------------- the command line and the outputs
@@ -389,6 +318,7 @@ def checked(kind, positive):   # an argparse type: a number of `kind`, above 0 (
         if value < 0 or (positive and value == 0):
             raise argparse.ArgumentTypeError(f"must be {'positive' if positive else '0 or more'}, got {text}")
         return value
+    parse.__name__ = kind.__name__   # argparse says "invalid int value: 'abc'"
     return parse
 
 positive_int, positive_float = checked(int, True), checked(float, True)
@@ -422,20 +352,21 @@ def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):   # totals
 
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
     """metrics.json, model.pt, curves.png and the closing line (rank 0); sent_per_step: bytes by collective."""
-    from matplotlib.figure import Figure   # drawn without pyplot: no display, no window
     by = {k: round(v) for k, v in sent_per_step.items()}
     epochs, out = metrics["epochs"], metrics["config"]["out"]
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,
                    samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
                    sent_bytes_per_step=sum(by.values()))
-    save_atomically(lambda tmp: open(tmp, "w").write(json.dumps(metrics, indent=1)), f"{out}/metrics.json")
+    text = json.dumps(metrics, indent=1)
+    save_atomically(lambda tmp: pathlib.Path(tmp).write_text(text), f"{out}/metrics.json")
     weights = {k: v.detach().cpu() for k, v in state_dict.items()}
     save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
     fig = Figure(figsize=(9, 3.5))
     ax_loss, ax_acc = fig.subplots(1, 2)
     for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"), (ax_acc, "test_acc", "s-")):
         ax.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], style, label=key.replace("_", " "))
-        ax.set_xlabel("epoch")
+        ax.set(xlabel="epoch", xlim=(epochs[0]["epoch"] - 0.5, epochs[-1]["epoch"] + 0.5))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))   # whole epochs: no tick at 2.5
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} ({metrics['backend']})")

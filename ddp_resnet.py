@@ -9,10 +9,11 @@ Your data goes in datasets() below. DIR holds train/ and val/, one subfolder of 
 (torchvision's ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead. Either way
 DistributedSampler gives each rank its share of the same global batches at any world size. The learning
 rate is given for 256 samples, scaled with the global batch, warmed up, then decayed (Goyal et al. 2017).
-SIGTERM or SIGUSR1 stops every rank at the same step with a checkpoint; --resume goes on from it, exactly.
+SIGTERM or SIGUSR1 stops every rank at the same step with a checkpoint; --resume goes on from it exactly
+when BatchNorm sees the same batches (the same ranks x --accum-steps), else close to it, said.
 Copy it with common.py. Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import argparse, contextlib, math, os, time, warnings
+import argparse, contextlib, functools, math, os, sys, time, warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -20,18 +21,44 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Subset
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
 import common
 
 # ---------------------------------------------------------------- your data goes here
 def datasets(args):
     """(training set, test set, number of classes): replace this body with your own Datasets. Any whose items
     are (image tensor [C, H, W], label) will do: the model is made for their images' shape, and the loader
-    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact. Here: your image
-    folders when --data-dir holds train/ and val/ (a subfolder of images per class), else Fashion-MNIST."""
-    if os.path.isdir(os.path.join(args.data_dir, "train")):
-        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
-                                    args.test_samples)
-    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact. Here: Fashion-MNIST,
+    or your images when --data-dir holds train/ and val/, one subfolder per class (torchvision's ImageFolder)."""
+    if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
+        return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    folders = []
+    for split in ("train", "val"):
+        try:
+            folders.append(ImageFolder(os.path.join(args.data_dir, split)))
+        except OSError as e:   # no class folders, or a class without images: torchvision's message names it
+            sys.exit(f"error: {os.path.join(args.data_dir, split)}: {e}")
+    train, val = folders
+    if train.classes != val.classes:
+        sys.exit(f"error: {args.data_dir}/train and {args.data_dir}/val have other class folders "
+                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
+    mode = common.read_image(train.samples[0][0]).mode   # "L" or "RGB": every image is read as the first one is
+    normalize = T.Normalize((common.MEAN,), (common.STD,))   # Fashion-MNIST's for gray images, ImageNet's for colour
+    if mode == "RGB":
+        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    resize = [T.Resize(args.image_size), T.CenterCrop(args.image_size)]
+    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
+    parts = []
+    for folder, first, n in ((train, resize if args.no_augment else augment, args.train_samples),
+                             (val, resize, args.test_samples)):
+        folder.loader = functools.partial(common.read_image, mode=mode)
+        folder.transform = T.Compose(first + [T.ToTensor(), normalize])
+        if n and n < len(folder):   # N images spread over the classes (a folder's images are sorted by class)
+            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
+        parts.append(folder)
+    return parts[0], parts[1], len(train.classes)
 
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(path, net, optimizer, scheduler, position, flags, history):
@@ -64,44 +91,41 @@ def load_checkpoint(path, net, optimizer, scheduler, master):
     return state[0]
 
 # ---------------------------------------------------------------- the wrap, and compressing what it sends
-def comm_hook(args, resumed, master):
-    """DDP: PyTorch's hooks replace each bucket's allreduce. bf16/fp16: cast down and back (half the
-    bytes). PowerSGD (Vogels et al. 2019): each gradient matrix as two rank-R factors, with error
-    feedback and warm start; its memory is per bucket, and DDP re-buckets after a process's first
-    step, so a resume starts it afresh, said. Returns (state, hook)."""
-    if args.comm_hook in ("bf16", "fp16"):
-        return None, getattr(default_hooks, f"{args.comm_hook}_compress_hook")
-    if resumed and master:
-        print(f"note: PowerSGD starts afresh after a resume: plain allreduce for {args.powersgd_start} steps, "
-              f"then empty error feedback (close to, not the same as, one uninterrupted run)", flush=True)
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                        start_powerSGD_iter=args.powersgd_start)
-    return state, powerSGD_hook.powerSGD_hook
-
-def counting(hook, sent, world_size):
-    """`hook`, adding up the bytes it hands to allreduce in `sent`: 2 an element for a 16-bit hook;
-    PowerSGD counts what it sends in total_numel_after_compression (in its plain steps: the bucket)."""
-    def hook_and_count(state, bucket):
-        before = state.total_numel_after_compression if state else 0
-        future = hook(state, bucket)
-        if world_size > 1:
-            elements = (state.total_numel_after_compression - before if state else 0) or bucket.buffer().numel()
-            key = f"all_reduce ({world_size} ranks)"
-            sent[key] = sent.get(key, 0) + elements * (bucket.buffer().element_size() if state else 2)
-        return future
-    return hook_and_count
-
-def wrap(net, args, device, backend, resumed, master, sent):
-    """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward;
-    with --comm-hook, compressed (set before the first backward). PowerSGD on gloo takes one bucket: gloo may
-    run several buckets' factors in other orders on other ranks. Returns (the wrap, the model to call)."""
+def wrap(net, args, device, backend, resumed, master):
+    """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward.
+    --comm-hook replaces each bucket's allreduce with one of PyTorch's (set before the first backward): bf16/fp16
+    cast down and back (half the bytes); PowerSGD (Vogels et al. 2019) sends each gradient matrix as two rank-R
+    factors, with error feedback and warm start, kept per bucket (on gloo one bucket: gloo may run several
+    buckets' factors in other orders on other ranks). Returns (the wrap, the model to call, PowerSGD's state)."""
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
+    # The gradients are views into DDP's buckets (no copy each way); BatchNorm's statistics are not sent every step:
+    # end_of_epoch sends rank 0's, those model.pt and the checkpoints hold, before they are used.
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
-                    bucket_cap_mb=1e6 if one_bucket else None)
-    if args.comm_hook:   # DDP: compression replaces each bucket's allreduce
-        hook_state, hook = comm_hook(args, resumed, master)
-        ddp_model.register_comm_hook(hook_state, counting(hook, sent, dist.get_world_size()))   # DDP: the hook
-    return ddp_model, torch.compile(ddp_model) if args.compile else ddp_model
+                    gradient_as_bucket_view=True, broadcast_buffers=False, bucket_cap_mb=1e6 if one_bucket else None)
+    # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    powersgd = None
+    if args.comm_hook in ("bf16", "fp16"):   # DDP: the hook
+        ddp_model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
+    elif args.comm_hook == "powersgd":   # DDP: the hook; DDP re-buckets after step 1, so a resume starts it afresh
+        powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                               start_powerSGD_iter=args.powersgd_start)
+        ddp_model.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)
+        if resumed and master:
+            print(f"note: PowerSGD starts afresh after a resume: plain allreduce for {args.powersgd_start} steps, "
+                  f"then empty error feedback (close to, not the same as, one uninterrupted run)", flush=True)
+    return ddp_model, torch.compile(ddp_model) if args.compile else ddp_model, powersgd
+
+def bytes_sent_per_step(net, args, powersgd, steps, world_size):
+    """What each rank hands to allreduce per step of this run: every gradient (DDP allreduces each once a step),
+    in 16 bits with a 16-bit hook; PowerSGD counts the elements of its compressed steps itself."""
+    sent = common.nbytes(*net.parameters())
+    if args.comm_hook in ("bf16", "fp16"):
+        sent //= 2
+    if powersgd:
+        plain = min(steps, args.powersgd_start)
+        sent = (plain * sent + 4 * powersgd.total_numel_after_compression) / steps   # fp32 gradients
+    return {f"all_reduce ({world_size} ranks)": sent} if world_size > 1 else {}
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
@@ -115,9 +139,7 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
             with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
                 logits = model(X_micro)
                 loss = F.cross_entropy(logits, y_micro)
-            with warnings.catch_warnings():   # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
-                warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-                (loss / accum_steps).backward()   # the mean over the whole rank batch
+            (loss / accum_steps).backward()   # the mean over the whole rank batch
         totals[0] += loss.detach() * len(y_micro)
         totals[1] += (logits.argmax(1) == y_micro).sum()
         totals[2] += len(y_micro)   # a Python number: no copy to the device
@@ -138,7 +160,8 @@ def end_of_epoch(net, totals, test_batches, device, world_size):
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: NCCL between GPUs, where torch has it
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
     device = common.pick_device(backend)   # DDP: one GPU per process
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
                             device_id=device if backend == "nccl" else None)
@@ -147,6 +170,9 @@ def train(args):
         os.makedirs(args.out, exist_ok=True)
     train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DDP: per node
     shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
+    if master and args.train_samples and len(train_set) > args.train_samples:   # a datasets() of your own
+        print(f"note: datasets() gave {len(train_set)} training samples: it does not apply --train-samples "
+              f"{args.train_samples} (a Subset would)", flush=True)
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into --accum-steps "
@@ -169,17 +195,18 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
+    # a resume must match them; BatchNorm normalises each micro-batch (of all ranks' with --sync-bn on CUDA)
+    bn_batch = (args.batch_size if args.sync_bn and device.type == "cuda" else rank_batch) // args.accum_steps
+    flags = {**vars(args), "image shape": shape, "training samples": len(train_set), "BatchNorm's batch": bn_batch}
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, master) if args.resume else None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     if state:
-        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, args.max_steps,
-                                          steps_per_epoch * args.epochs, master)
+        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, final_step, master)
         if position is None:   # nothing left to train
             return net
         metrics["epochs"] = state["history"]
-    def save(epoch, batch_in_epoch, totals, seconds):   # DDP: on every rank, at the same step; rank 0 writes
+    def save(step, epoch, batch_in_epoch, totals, seconds):   # DDP: on every rank, at the same step; rank 0 writes
         partial = totals.clone()
         dist.all_reduce(partial)   # DDP: every rank's sums so far in this epoch
         if master:
@@ -189,8 +216,7 @@ def train(args):
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
         dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
     stop = common.StopSignal()   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step
-    sent = {}   # the bytes this rank hands to allreduce in this run's steps (metrics.json)
-    ddp_model, model = wrap(net, args, device, backend, state is not None, master, sent)   # DDP: the wrap
+    ddp_model, model, powersgd = wrap(net, args, device, backend, state is not None, master)   # DDP: the wrap
     if master:
         print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
               f"batch {args.batch_size} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
@@ -213,23 +239,24 @@ def train(args):
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
             every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
-                save(epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DDP: every rank stops after this same step, the checkpoint written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+                save(step, epoch, batch_in_epoch, totals, timer())
+            if signalled and master:
+                print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
+                      f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
+            if signalled:   # DDP: every rank stops after this same step, the checkpoint written
+                raise SystemExit(common.PREEMPTED)
             if step == final_step:
                 break
         seconds = timer()
         test_acc = end_of_epoch(net, totals, test_batches, device, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
+            save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     if master and metrics["epochs"]:
-        sent_per_step = {k: v / (step - position["step"]) for k, v in sent.items()}   # what the hook counted
-        if not args.comm_hook and world_size > 1:   # DDP allreduces every gradient once a step
-            sent_per_step = {f"all_reduce ({world_size} ranks)": common.nbytes(*net.parameters())}
-        common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent_per_step)
+        sent = bytes_sent_per_step(net, args, powersgd, step - position["step"], world_size)
+        common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent)
     return net
 
 # ---------------------------------------------------------------- command line
@@ -244,8 +271,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
                    help="on convolution and linear weights (none on BatchNorm and biases)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
-    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
-                   "train/ and val/, one subfolder of images per class")
+    p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
+                   "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
     p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
     p.add_argument("--image-size", type=common.positive_int, default=224,
                    help="image folders: resized and cropped to this")

@@ -5,7 +5,7 @@
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
-import argparse, os, sys, time
+import argparse, os, socket, sys, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -38,7 +38,8 @@ def train_loader(X, y, rank_batch, rank, world_size, seed):
 def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = args.backend or common.pick_backend()   # DDP: NCCL between GPUs (on Linux), else gloo
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: NCCL between GPUs, where torch has it
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
     device = common.pick_device(backend)   # DDP: one GPU per process
     rank_batch = common.check_batch(args.batch_size, world_size, args.train_samples, rank)   # before any connection
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
@@ -116,10 +117,13 @@ def main(argv=None):
     world_size = args.world_size or torch.cuda.device_count() or 2
     if args.batch_size % world_size or args.train_samples < args.batch_size:   # refused before any process starts
         common.check_batch(args.batch_size, world_size, args.train_samples, rank=0)
-    # DDP: start the processes here, with the variables torchrun would set; port 0 lets the OS
-    # pick a free one, so two jobs on one machine never collide.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    # DDP: start the processes here, with the variables torchrun would set, on a port free now (port 0:
+    # the OS picks one; another job could take it before rank 0 listens, and this one would fail to start)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     try:
         mp.spawn(run_rank, args=(args,), nprocs=world_size)   # DDP: one process per rank
     except mp.ProcessExitedException as e:   # the rank already printed why; no parent traceback

@@ -2,44 +2,67 @@
 
     python diloco_resnet.py                                   # one process, no launcher needed
     torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 10
-    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py \
-        --local-steps 50
+    torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py --local-steps 50
 
-DDP allreduces the gradients at every step; over a slow link between machines that wait is most
-of the step. DiLoCo (Douillard et al., 2023) talks H times less often. Each rank trains its own
-replica on its share of each global batch for `--local-steps` H inner steps, with ddp_resnet.py's
-optimizer (SGD, momentum 0.9, the large-batch recipe), its momentum kept per rank. Then the ranks
-average the pseudo-gradient, the shared weights of the last sync minus their own, and an outer SGD
-with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) steps the shared
-weights with it; every replica starts the next round from them. BatchNorm statistics are rank 0's
-at each sync, as in ddp_resnet.py.
+DDP allreduces the gradients at every step; over a slow link between machines that wait is most of the step. DiLoCo
+(Douillard et al., 2023) talks H times less often. Each rank trains its own replica on its share of each global batch
+for `--local-steps` H inner steps, with ddp_resnet.py's optimizer (SGD, momentum 0.9, the large-batch recipe), its
+momentum kept per rank. Then the ranks average the pseudo-gradient, the shared weights of the last sync minus their own,
+and an outer SGD with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) steps the shared weights
+with it; every replica starts the next round from them. BatchNorm statistics are rank 0's at each sync, as in
+ddp_resnet.py.
 
-With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
-average of the ranks' SGD updates from the same weights is the update of their averaged gradient
-(momentum is linear too). That is the lesson's proof, and a test.
+With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the average of the ranks'
+SGD updates from the same weights is the update of their averaged gradient (momentum is linear too). That is the
+lesson's proof, and a test.
 
-Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use
-the shared weights of the last sync. A checkpoint holds the shared weights and the outer momentum,
-and a folder beside it every rank's replica with its inner optimizer: a run stopped inside a round
-resumes in it (at the same world size). Copy it with common.py.
+Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use the shared weights of
+the last sync. A checkpoint holds the shared weights and the outer momentum, and a folder beside it every rank's replica
+with its inner optimizer: a run stopped inside a round resumes in it (at the same world size). Copy it with common.py.
 Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import argparse, collections, math, os, shutil, time
+import argparse, collections, functools, math, os, shutil, sys, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import Subset
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
 import common
 
 # ---------------------------------------------------------------- your data goes here
 def datasets(args):
     """(training set, test set, number of classes), as in ddp_resnet.py: replace this body with your own
-    Datasets of (image tensor [C, H, W], label). Here: your image folders when --data-dir holds train/ and val/
-    (a subfolder of images per class), else Fashion-MNIST."""
-    if os.path.isdir(os.path.join(args.data_dir, "train")):
-        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
-                                    args.test_samples)
-    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    Datasets of (image tensor [C, H, W], label). Here: Fashion-MNIST, or your images when --data-dir holds train/
+    and val/, one subfolder per class (torchvision's ImageFolder)."""
+    if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
+        return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    folders = []
+    for split in ("train", "val"):
+        try:
+            folders.append(ImageFolder(os.path.join(args.data_dir, split)))
+        except OSError as e:   # no class folders, or a class without images: torchvision's message names it
+            sys.exit(f"error: {os.path.join(args.data_dir, split)}: {e}")
+    train, val = folders
+    if train.classes != val.classes:
+        sys.exit(f"error: {args.data_dir}/train and {args.data_dir}/val have other class folders "
+                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
+    mode = common.read_image(train.samples[0][0]).mode   # "L" or "RGB": every image is read as the first one is
+    normalize = T.Normalize((common.MEAN,), (common.STD,))   # Fashion-MNIST's for gray images, ImageNet's for colour
+    if mode == "RGB":
+        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    resize = [T.Resize(args.image_size), T.CenterCrop(args.image_size)]
+    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
+    parts = []
+    for folder, first, n in ((train, resize if args.no_augment else augment, args.train_samples),
+                             (val, resize, args.test_samples)):
+        folder.loader = functools.partial(common.read_image, mode=mode)
+        folder.transform = T.Compose(first + [T.ToTensor(), normalize])
+        if n and n < len(folder):   # N images spread over the classes (a folder's images are sorted by class)
+            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
+        parts.append(folder)
+    return parts[0], parts[1], len(train.classes)
 
 # ---------------------------------------------------------------- the outer step: what makes this DiLoCo
 class Outer:
@@ -84,8 +107,7 @@ class Outer:
         self.optimizer.load_state_dict(state["optimizer"])
 
 def evaluate_shared(test_batches, net, outer, device):
-    """Test accuracy of the shared weights of the last sync (over all ranks); this rank's replica is put back
-    after."""
+    """Test accuracy of the shared weights of the last sync (over all ranks); this rank's replica is put back after."""
     replica = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(outer.shared_state(net))
     net.eval()
@@ -108,11 +130,10 @@ def replica_files(path, step):
     return f"{path}.replicas-step{step}"
 
 def save_checkpoint(path, net, optimizer, scheduler, outer, position, flags, history, rank, world_size):
-    """Rank 0 writes each rank's replica, inner optimizer and random state (inside a round they
-    differ) to a folder of their own, one file per rank, receiving them one at a time (its memory
-    does not grow with the world size); then the checkpoint file itself: the position, the
-    shared weights and outer momentum, and which folder goes with it. Older folders are deleted
-    only once the new file is in place, so a crash leaves the last complete checkpoint."""
+    """Rank 0 writes each rank's replica, inner optimizer and random state (inside a round they differ) to a folder of
+    their own, one file per rank, receiving them one at a time (its memory does not grow with the world size); then the
+    checkpoint file itself: the position, the shared weights and outer momentum, and which folder goes with it. Older
+    folders are deleted only once the new file is in place, so a crash leaves the last complete checkpoint."""
     replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict()})
     folder = replica_files(path, position["step"])
     for sender in range(world_size):
@@ -136,9 +157,8 @@ def save_checkpoint(path, net, optimizer, scheduler, outer, position, flags, his
     dist.barrier()   # DiLoCo: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
 
 def load_checkpoint(path, net, optimizer, scheduler, outer, rank, world_size):
-    """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then
-    each rank its replica, one at a time. Returns the checkpoint, or None when there is none;
-    errors exit, said once."""
+    """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then each rank its replica,
+    one at a time. Returns the checkpoint, or None when there is none; errors exit, said once."""
     state = [None]
     if rank == 0 and not os.path.exists(path):
         print(f"no checkpoint at {path}: training starts from step 0", flush=True)
@@ -191,7 +211,8 @@ def train_step(net, optimizer, X, y, amp, totals):
 def train(args):
     # DiLoCo: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = args.backend or common.pick_backend()   # DiLoCo: NCCL between GPUs (on Linux), else gloo
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DiLoCo: NCCL between GPUs, where torch has it
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
     device = common.pick_device(backend)   # DiLoCo: one GPU per process
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DiLoCo: all ranks
                             world_size=world_size, device_id=device if backend == "nccl" else None)
@@ -200,6 +221,9 @@ def train(args):
         os.makedirs(args.out, exist_ok=True)
     train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DiLoCo: per node
     shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
+    if master and args.train_samples and len(train_set) > args.train_samples:   # a datasets() of your own
+        print(f"note: datasets() gave {len(train_set)} training samples: it does not apply --train-samples "
+              f"{args.train_samples} (a Subset would)", flush=True)
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
                                                  args.workers)   # DiLoCo: this rank's 1/W of each global batch
@@ -223,12 +247,11 @@ def train(args):
     last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
     final_step = min(args.max_steps or math.inf, last_step)
     if state:
-        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, args.max_steps,
-                                          steps_per_epoch * args.epochs, master)
+        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, final_step, master)
         if position is None:   # nothing left to train
             return outer.shared_state(net)
         metrics["epochs"] = state["history"]
-    def save(epoch, batch_in_epoch, totals, seconds):   # DiLoCo: every rank sends its replica; rank 0 writes
+    def save(step, epoch, batch_in_epoch, totals, seconds):   # DiLoCo: every rank sends its replica; rank 0 writes
         partial = totals.clone()
         dist.all_reduce(partial)   # DiLoCo: every rank's sums so far in this epoch
         here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
@@ -263,9 +286,12 @@ def train(args):
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
             every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
-                save(epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+                save(step, epoch, batch_in_epoch, totals, timer())
+            if signalled and master:
+                print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
+                      f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
+            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written
+                raise SystemExit(common.PREEMPTED)
             if step == final_step:
                 break
         seconds = timer()
@@ -273,7 +299,7 @@ def train(args):
         test_acc = evaluate_shared(test_batches, net, outer, device)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
+            save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     if master and metrics["epochs"]:
@@ -296,8 +322,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
                    help="on convolution and linear weights (none on BatchNorm and biases)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
-    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
-                   "train/ and val/, one subfolder of images per class")
+    p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
+                   "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
     p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
     p.add_argument("--image-size", type=common.positive_int, default=224,
                    help="image folders: resized and cropped to this")

@@ -1,5 +1,4 @@
-"""ResNet-18 with FSDP2 (fully_shard): each rank keeps 1/W of the parameters,
-gradients and optimizer state.
+"""ResNet-18 with FSDP2 (fully_shard): each rank keeps 1/W of the parameters, gradients and optimizer state.
 
     python fsdp_resnet.py                         # one process, no launcher needed
     torchrun --standalone --nproc_per_node=2 fsdp_resnet.py
@@ -8,17 +7,16 @@ gradients and optimizer state.
 
 Data, model, learning-rate schedule, stopping and resuming as in ddp_resnet.py. Copy it with common.py.
 
-The same training as ddp_resnet.py (same batches, same weights after every step), with another
-memory layout. DDP keeps the whole model, its gradients and its optimizer state on every rank and
-allreduces the gradients. FSDP keeps a 1/W shard of each; before a block's forward (and again
-before its backward) it all-gathers that block's parameters and frees them after; after backward
-it reduce-scatters the gradients, so each rank receives the summed gradient of its own shard only,
-and the optimizer updates that shard. About 1.5x DDP's bytes on the wire, for 1/W of the memory.
-With --hsdp the shards are spread over one node's processes only, and the nodes are replicas that
-all-reduce their shards' gradients: the sharded traffic stays on the fast links inside a node.
-Lines that exist only because of sharding are tagged `# FSDP:`.
+The same training as ddp_resnet.py (same batches, same weights after every step), with another memory layout. DDP keeps
+the whole model, its gradients and its optimizer state on every rank and allreduces the gradients. FSDP keeps a 1/W
+shard of each; before a block's forward (and again before its backward) it all-gathers that block's parameters and frees
+them after; after backward it reduce-scatters the gradients, so each rank receives the summed gradient of its own shard
+only, and the optimizer updates that shard. About 1.5x DDP's bytes on the wire, for 1/W of the memory. With --hsdp the
+shards are spread over one node's processes only, and the nodes are replicas that all-reduce their shards' gradients:
+the sharded traffic stays on the fast links inside a node. Lines that exist only because of sharding are tagged
+`# FSDP:`.
 """
-import argparse, math, os, re, shutil, sys, time
+import argparse, functools, math, os, re, shutil, sys, time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -29,17 +27,43 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import Subset
+from torchvision import transforms as T
+from torchvision.datasets import ImageFolder
 import common
 
 # ---------------------------------------------------------------- your data goes here
 def datasets(args):
     """(training set, test set, number of classes), as in ddp_resnet.py: replace this body with your own
-    Datasets of (image tensor [C, H, W], label). Here: your image folders when --data-dir holds train/ and val/
-    (a subfolder of images per class), else Fashion-MNIST."""
-    if os.path.isdir(os.path.join(args.data_dir, "train")):
-        return common.image_folders(args.data_dir, args.image_size, not args.no_augment, args.train_samples,
-                                    args.test_samples)
-    return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    Datasets of (image tensor [C, H, W], label). Here: Fashion-MNIST, or your images when --data-dir holds train/
+    and val/, one subfolder per class (torchvision's ImageFolder)."""
+    if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
+        return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
+    folders = []
+    for split in ("train", "val"):
+        try:
+            folders.append(ImageFolder(os.path.join(args.data_dir, split)))
+        except OSError as e:   # no class folders, or a class without images: torchvision's message names it
+            sys.exit(f"error: {os.path.join(args.data_dir, split)}: {e}")
+    train, val = folders
+    if train.classes != val.classes:
+        sys.exit(f"error: {args.data_dir}/train and {args.data_dir}/val have other class folders "
+                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
+    mode = common.read_image(train.samples[0][0]).mode   # "L" or "RGB": every image is read as the first one is
+    normalize = T.Normalize((common.MEAN,), (common.STD,))   # Fashion-MNIST's for gray images, ImageNet's for colour
+    if mode == "RGB":
+        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    resize = [T.Resize(args.image_size), T.CenterCrop(args.image_size)]
+    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
+    parts = []
+    for folder, first, n in ((train, resize if args.no_augment else augment, args.train_samples),
+                             (val, resize, args.test_samples)):
+        folder.loader = functools.partial(common.read_image, mode=mode)
+        folder.transform = T.Compose(first + [T.ToTensor(), normalize])
+        if n and n < len(folder):   # N images spread over the classes (a folder's images are sorted by class)
+            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
+        parts.append(folder)
+    return parts[0], parts[1], len(train.classes)
 
 # ---------------------------------------------------------------- checkpoints: every rank writes its shard
 def save_checkpoint(path, model, optimizer, scheduler, position, flags, history, rank):
@@ -103,16 +127,10 @@ def load_checkpoint(path, model, optimizer, scheduler, rank, world_size):
             scheduler.load_state_dict(progress["scheduler"])
         except Exception as e:
             error = f"{folder}: {' '.join(str(e).split())[:400]} (rank {rank})"
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error)   # FSDP: any rank's error, said once by rank 0
+    errors = common.every_rank(error, world_size)   # FSDP: any rank's error, said once by rank 0
     if any(errors):
         raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}" if rank == 0 else 1)
     return progress
-
-def full_state_dict(model):
-    """The whole model as one state dict of CPU tensors on rank 0 (empty elsewhere), as the other
-    scripts write model.pt. Every rank must call it: the shards are gathered."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 def bytes_held(model, optimizer):
     """What this rank really holds: its local shards of parameters, gradients, optimizer state. On every rank."""
@@ -143,13 +161,12 @@ def parameter_dtype(unit, amp):
     return torch.bfloat16 if amp and not isinstance(unit, torch.nn.BatchNorm2d) else torch.float32
 
 def bytes_sent_per_step(model, mesh, amp):
-    """What FSDP2 hands to collectives per step, from the sizes of the sharded parameters (its
-    collectives run inside FSDP, where no public API counts them; tests/torchrun_checks.py checks
-    these sums against what torch.distributed is handed). For every sharded module (a unit), each
-    rank hands its shard of the unit's parameters, dim 0 padded to a multiple of the shard group,
-    to an all-gather before forward and again before backward (the root's stay gathered between),
-    in parameter_dtype; the unit's whole padded gradient (fp32) to a reduce-scatter; and on a 2-D
-    mesh (HSDP) its shard of that sum to an all-reduce across the replicas."""
+    """What FSDP2 hands to collectives per step, from the sizes of the sharded parameters (its collectives run inside
+    FSDP, where no public API counts them; tests/torchrun_checks.py checks these sums against what torch.distributed is
+    handed). For every sharded module (a unit), each rank hands its shard of the unit's parameters, dim 0 padded to a
+    multiple of the shard group, to an all-gather before forward and again before backward (the root's stay gathered
+    between), in parameter_dtype; the unit's whole padded gradient (fp32) to a reduce-scatter; and on a 2-D mesh (HSDP)
+    its shard of that sum to an all-reduce across the replicas."""
     shards, sent = mesh.size(mesh.ndim - 1), {}
     names = mesh.mesh_dim_names
     group = lambda dim: f"{dim} group of {mesh.size(names.index(dim))}" if mesh.ndim > 1 else f"{shards} ranks"
@@ -168,10 +185,9 @@ def bytes_sent_per_step(model, mesh, amp):
     return sent
 
 def shard(net, mesh, amp):
-    """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters
-    are gathered just before it runs and freed after, so at most one stage is ever whole. A model
-    without ResNet's four stages (another --arch) is sharded by its top-level blocks. A 2-D mesh
-    (replicate, shard) makes it HSDP."""
+    """FSDP: shard each residual stage, then the root (stem and last layer). A stage's parameters are gathered just
+    before it runs and freed after, so at most one stage is ever whole. A model without ResNet's four stages (another
+    --arch) is sharded by its top-level blocks. A 2-D mesh (replicate, shard) makes it HSDP."""
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp
                  else MixedPrecisionPolicy())   # --amp: bf16 compute, gradients summed in fp32
     if amp:   # BatchNorm stays fp32 (its running statistics are; CPU kernels refuse a mix), bf16 out
@@ -212,7 +228,8 @@ def end_of_epoch(model, totals, test_batches, device, world_size):
 def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = args.backend or common.pick_backend()   # FSDP: NCCL between GPUs (on Linux), else gloo
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # FSDP: NCCL between GPUs, where torch has it
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
     device = common.pick_device(backend)   # FSDP: one GPU per process
     if backend == "gloo" and device.type == "cuda":
         sys.exit(f"rank {rank}: error: FSDP2 over gloo crashes with CUDA tensors (SIGSEGV): use --backend nccl "
@@ -224,6 +241,9 @@ def train(args):
         os.makedirs(args.out, exist_ok=True)
     train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # FSDP: per node
     shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
+    if master and args.train_samples and len(train_set) > args.train_samples:   # a datasets() of your own
+        print(f"note: datasets() gave {len(train_set)} training samples: it does not apply --train-samples "
+              f"{args.train_samples} (a Subset would)", flush=True)
     rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
                                                  args.workers)   # FSDP: this rank's 1/W of each global batch
@@ -241,17 +261,17 @@ def train(args):
                                              steps_per_epoch * args.epochs)
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
+    # a resume must match them; BatchNorm normalises each rank's batch
+    flags = {**vars(args), "image shape": shape, "training samples": len(train_set), "BatchNorm's batch": rank_batch}
     position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
     saved = load_checkpoint(args.checkpoint, model, optimizer, scheduler, rank, world_size) if args.resume else None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     if saved:
-        position = common.resume_position(saved, flags, args.checkpoint, steps_per_epoch, args.max_steps,
-                                          steps_per_epoch * args.epochs, master)
+        position = common.resume_position(saved, flags, args.checkpoint, steps_per_epoch, final_step, master)
         if position is None:   # nothing left to train
             return None
         metrics["epochs"] = saved["history"]
-    def save(epoch, batch_in_epoch, totals, seconds):   # FSDP: every rank writes its own shards
+    def save(step, epoch, batch_in_epoch, totals, seconds):   # FSDP: every rank writes its own shards
         partial = totals.clone()
         dist.all_reduce(partial)   # FSDP: every rank's sums so far in this epoch
         here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
@@ -261,11 +281,11 @@ def train(args):
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
     stop = common.StopSignal()   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step
     if master:
+        replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
         print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
-              f"batch {args.batch_size} = "
-              f"{world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} ways"
-              f"{f' in each of {mesh.size(0)} replicas (HSDP)' if args.hsdp else ''}, lr {lr:g} "
-              f"({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
+              f"batch {args.batch_size} = {world_size} x {rank_batch}, parameters sharded {mesh.size(mesh.ndim - 1)} "
+              f"ways{replicas}, lr {lr:g} ({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} "
+              f"warm-up epochs", flush=True)
     step, start = position["step"], time.perf_counter()
     for epoch in range(position["epoch"], args.epochs + 1):
         done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
@@ -283,20 +303,24 @@ def train(args):
             epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
             every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
-                save(epoch, batch_in_epoch, totals, timer())
-            if signalled:   # FSDP: every rank stops after this same step, its shards written; exit 75
-                raise SystemExit(common.stopped(signalled, step, args.checkpoint, master))
+                save(step, epoch, batch_in_epoch, totals, timer())
+            if signalled and master:
+                print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
+                      f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
+            if signalled:   # FSDP: every rank stops after this same step, its shards written
+                raise SystemExit(common.PREEMPTED)
             if step == final_step:
                 break
         seconds = timer()
         test_acc = end_of_epoch(model, totals, test_batches, device, world_size)
         common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
+            save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:
             break
     held = common.every_rank(bytes_held(model, optimizer), world_size)   # FSDP: what each rank holds
-    state = full_state_dict(model)
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)   # FSDP: the shards gathered, on rank 0's CPU
+    state = get_model_state_dict(model, options=whole)   # FSDP: the whole model for model.pt (empty on other ranks)
     if master and metrics["epochs"]:
         metrics["bytes_per_rank"] = held
         print(f"per rank: {held[0]['params'] / 1e6:.1f} MB parameters, {held[0]['grads'] / 1e6:.1f} MB gradients, "
@@ -318,8 +342,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
                    help="on convolution and linear weights (none on BatchNorm and biases)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
-    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put), or a folder with "
-                   "train/ and val/, one subfolder of images per class")
+    p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
+                   "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
     p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
     p.add_argument("--image-size", type=common.positive_int, default=224,
                    help="image folders: resized and cropped to this")

@@ -9,30 +9,38 @@ mode=${1:-smoke}
 tier=${2:-}
 case "$mode $tier" in "smoke "|"test "|"test quick"|"bench ") ;; *) echo "usage: bash run_all.sh [test [quick]|bench]" >&2; exit 2;; esac
 
-# --- Python: this one if it has what we need, else .venv from requirements.txt
+# --- Python: this one if it has what we need, else .venv from requirements.txt (and tests/requirements.txt)
 modules="torch, torchvision, matplotlib"
 [ "$mode" = test ] && modules="$modules, pytest, xdist"
 PY=${PYTHON:-python3}
 if [ -x .venv/bin/python ] && .venv/bin/python -c "import $modules" 2>/dev/null; then
   PY=.venv/bin/python
 elif ! "$PY" -c "import $modules" 2>/dev/null; then
-  echo "== creating .venv from requirements.txt (torch is a large download)"
-  "$PY" -m venv .venv
+  echo "== installing into .venv from requirements.txt (torch is a large download)"
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements.txt
+  [ "$mode" = test ] && .venv/bin/python -m pip install -q -r tests/requirements.txt
   PY=.venv/bin/python
 fi
 echo "== python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 
-# --- Fashion-MNIST in ./data: the folder, torchvision's download, or Debian's package
-prepare='import common; common.fashion_mnist("data")'
-if ! "$PY" -c "$prepare" 2>/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+# --- Fashion-MNIST in ./data/FashionMNIST/raw, where torchvision reads it: Debian's package unpacked there, or
+# torchvision's download (the scripts download only into ./data: a --data-dir you name must hold it already)
+raw=data/FashionMNIST/raw debian=/usr/share/datasets/fashion-mnist
+files="train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte"
+if ! (cd "$raw" 2>/dev/null && ls $files >/dev/null 2>&1); then
+  if [ ! -d "$debian" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== installing Debian's dataset-fashion-mnist"
     apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 ||
-      { apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; }
+      { apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; } || true
   fi
-  "$PY" -c "$prepare"   # prints what to do if there is still no data
+  if [ -d "$debian" ]; then
+    echo "== unpacking $debian into $raw"
+    mkdir -p "$raw"
+    for f in $files; do gunzip -c "$debian/$f.gz" > "$raw/$f.tmp" && mv "$raw/$f.tmp" "$raw/$f"; done
+  fi
+  "$PY" -c 'import common; common.fashion_mnist()' >/dev/null   # downloads it, or says what to do
 fi
 
 # --- the several-machines tests need a real SLURM (slurm-wlm, munge) and the simulated cluster's tools

@@ -1,15 +1,14 @@
 """Data parallelism from scratch: LeNet on Fashion-MNIST, nothing but tensors, in one process.
 
-Each replica holds its own copy of the parameters. A step splits the global batch across the
-replicas, each computes the gradient of its share, a hand-written allreduce sums the gradients so
-every replica holds the total, and every replica takes the same SGD step: the replicas stay equal,
-and the step equals the one a single device takes on the whole batch.
+Each replica holds its own copy of the parameters. A step splits the global batch across the replicas, each computes the
+gradient of its share, a hand-written allreduce sums the gradients so every replica holds the total, and every replica
+takes the same SGD step: the replicas stay equal, and the step equals the one a single device takes on the whole batch.
 
     python scratch_lenet.py                       # N replicas: every GPU, else 2 on the CPU
     python scratch_lenet.py --devices 4
 
-The next step, several processes (on one machine or many) and a ring allreduce written from
-send/recv, is scratch_ring.py: it imports the pieces below and adds only what processes need.
+The next step, several processes (on one machine or many) and a ring allreduce written from send/recv, is
+scratch_ring.py: it imports the pieces below and adds only what processes need.
 """
 import argparse, collections, contextlib, ctypes, math, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,8 +105,6 @@ def train(args, devices):
     os.makedirs(args.out, exist_ok=True)
     train_set, test_set, _ = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     common.check_batch(args.batch_size, 1, len(train_set), rank=0)
-    # The loader holds the training set on the first device (188 MB on a GPU): a step gathers its batch
-    # there, instead of on the CPU followed by a copy to the GPU.
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, 0, 1, devices[0])
     layout = torch.channels_last if args.channels_last else torch.contiguous_format
     replicas = [get_params(init_params(args.seed), d, layout) for d in devices]   # all equal
@@ -151,7 +148,8 @@ def add_lenet_flags(p):
     p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all replicas")
     p.add_argument("--lr", type=common.positive_float, default=0.05, help="learning rate, decayed linearly to 0")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
-    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--data-dir", help="a folder with Fashion-MNIST (FashionMNIST/raw/); default: ./data, where "
+                   "it is downloaded")
     p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
@@ -199,7 +197,7 @@ def main(argv=None):
     else:   # no GPU: the replicas are CPU copies, each with its share of the cores; the lesson is the same
         devices = [torch.device("cpu")] * args.devices
         if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(common.cpu_share(args.devices))
+            torch.set_num_threads(max(1, torch.get_num_threads() // args.devices))
         keep_freed_memory()
     return train(args, devices)
 

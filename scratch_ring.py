@@ -1,6 +1,6 @@
-"""Data parallelism from scratch across processes: scratch_lenet.py's replicas, now in several
-processes (on one machine or many), their gradients summed by a ring allreduce written from
-point-to-point send/recv. Still by hand; read scratch_lenet.py first.
+"""Data parallelism from scratch across processes: scratch_lenet.py's replicas, now in several processes (on one machine
+or many), their gradients summed by a ring allreduce written from point-to-point send/recv. Still by hand; read
+scratch_lenet.py first.
 
     torchrun --standalone --nproc_per_node=2 scratch_ring.py              # one replica per process
     torchrun --standalone --nproc_per_node=2 scratch_ring.py --devices 2  # hierarchical: 2 replicas
@@ -9,9 +9,8 @@ point-to-point send/recv. Still by hand; read scratch_lenet.py first.
     ... --zero        # each process updates 1/W of the parameters with 1/W of the momentum (ZeRO)
     python scratch_ring.py                        # a group of one process, no launcher needed
 
-The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet.py; what this
-file adds exists only because there are several processes, and lines of the training that exist
-only for that reason are tagged `# RING:`.
+The model, the replicas, the in-memory allreduce and SGD come from scratch_lenet.py; what this file adds exists only
+because there are several processes, and lines of the training that exist only for that reason are tagged `# RING:`.
 """
 import argparse, collections, math, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,12 +89,11 @@ def sum_gradients(replicas, rank, world_size):
                 p.grad[:] = p0.grad.to(p.device)
 
 class OverlappedAllreduce:
-    """--overlap: sum the gradients across processes while backward is still running, as DDP does.
-    The parameters are grouped into buckets in the order backward produces their gradients (last
-    layer first). When autograd has accumulated a parameter's gradient in every replica of this
-    process, a hook sums it in memory; a complete bucket goes to a communication thread, which runs
-    the ring allreduce on it while backward goes on with the earlier layers. Buckets are sent in
-    one fixed order, the same on every process, as the ring requires."""
+    """--overlap: sum the gradients across processes while backward is still running, as DDP does. The parameters are
+    grouped into buckets in the order backward produces their gradients (last layer first). When autograd has
+    accumulated a parameter's gradient in every replica of this process, a hook sums it in memory; a complete bucket
+    goes to a communication thread, which runs the ring allreduce on it while backward goes on with the earlier layers.
+    Buckets are sent in one fixed order, the same on every process, as the ring requires."""
     def __init__(self, replicas, rank, world_size, bucket_bytes, device):
         self.replicas, self.rank, self.world_size = replicas, rank, world_size
         self.buckets, size = [[]], 0
@@ -145,11 +143,10 @@ class OverlappedAllreduce:
         self._reset()
 
 def zero_step(replicas, velocity, lr, global_batch, rank, world_size, momentum=0.9):
-    """--zero: the ring allreduce's two halves with the update between them (ZeRO). The
-    reduce-scatter leaves this process the summed gradient of one chunk; it updates that chunk of
-    the parameters alone, with momentum kept for that chunk alone (1/W of the optimizer state);
-    the all-gather then hands every process all the updated parameters. The bytes on the wire
-    are those of the allreduce."""
+    """--zero: the ring allreduce's two halves with the update between them (ZeRO). The reduce-scatter leaves this
+    process the summed gradient of one chunk; it updates that chunk of the parameters alone, with momentum kept for that
+    chunk alone (1/W of the optimizer state); the all-gather then hands every process all the updated parameters. The
+    bytes on the wire are those of the allreduce."""
     for i in range(len(replicas[0])):
         allreduce([W[i].grad for W in replicas])   # this process's replicas first, in memory
     grads, params = flatten([p.grad for p in replicas[0]]), flatten(replicas[0])
@@ -282,7 +279,8 @@ def main(argv=None):
     common.default_to_one_process()   # plain `python scratch_ring.py`: a group of one
     # RING: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = args.backend or common.pick_backend()   # RING: NCCL between GPUs (on Linux), else gloo
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # RING: NCCL between GPUs, where torch has it
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
     device = common.pick_device(backend, gpus_each=args.devices)   # RING: K = --devices GPUs each
     if backend == "gloo" and device.type == "cuda":   # gloo's TCP transport reads a CUDA pointer as host memory
         sys.exit(f"rank {rank}: error: gloo cannot send CUDA tensors point to point (\"Bad address\"): use "

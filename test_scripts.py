@@ -15,17 +15,37 @@ import fsdp_resnet
 import scratch_lenet
 import scratch_ring
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     fashion_resnet, free_port, load_model, resnet_reference, run, scratch_ring_trains_like_one_device,
-                     write_gz_files)
+                     fashion_resnet, free_port, load_model, resnet_reference, run, scratch_ring_trains_like_one_device)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
 
 # ---------------------------------------------------------------- common.py
-def test_backend_is_nccl_only_with_cuda_on_linux():
-    assert common.pick_backend(cuda=True, platform="linux") == "nccl"
-    assert common.pick_backend(cuda=True, platform="win32") == "gloo"
-    assert common.pick_backend(cuda=False, platform="linux") == "gloo"
+class Formed(Exception):   # init_process_group was called, with this backend
+    pass
+
+
+def formed_with(monkeypatch, main, nccl_built):
+    """The backend `main` forms its group with on a machine with one GPU, where torch has NCCL or not (Windows,
+    macOS, CPU builds)."""
+    pretend_gpus(monkeypatch, 1, 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl_built)
+    monkeypatch.setattr(common, "attempt_store", lambda: None)
+    def init_process_group(backend, **options):
+        raise Formed(backend)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises((Formed, SystemExit)) as formed:
+        main([])
+    if formed.type is SystemExit:   # FSDP2 and scratch_ring's send/recv refuse gloo with CUDA tensors, saying so
+        assert "over gloo" in str(formed.value.code) or "gloo cannot" in str(formed.value.code)
+        return "gloo"
+    return str(formed.value)
+
+
+@pytest.mark.parametrize("script", [ddp_toy, ddp_resnet, fsdp_resnet, diloco_resnet, scratch_ring])
+def test_backend_is_nccl_with_gpus_where_torch_has_it_else_gloo(script, monkeypatch):
+    assert formed_with(monkeypatch, script.main, nccl_built=True) == "nccl"
+    assert formed_with(monkeypatch, script.main, nccl_built=False) == "gloo"
 
 
 def test_fashion_mnist_is_the_real_data():
@@ -36,13 +56,54 @@ def test_fashion_mnist_is_the_real_data():
     assert abs(X_train.mean().item()) < 0.01 and abs(X_train.std().item() - 1) < 0.01
 
 
-def test_debian_files_are_used_when_download_fails(tmp_path, monkeypatch):
-    debian = tmp_path / "debian"
-    write_gz_files(debian)
-    monkeypatch.setattr(common, "DEBIAN_DIR", str(debian))
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
-    assert len(common.fashion_mnist(str(tmp_path / "data"))[1]) == 10000
+@pytest.mark.parametrize("case", ["no such folder", "an empty folder"])
+def test_a_mistyped_data_dir_is_refused_in_one_line_and_nothing_is_made_there(case, tmp_path):
+    """Only the default folder, ./data, is downloaded into: a folder named by --data-dir that is not there, or
+    holds neither Fashion-MNIST nor train/ and val/, is refused before anything is written."""
+    named = tmp_path / "nope"
+    if case == "an empty folder":
+        named.mkdir()
+    result = run(["python", "ddp_resnet.py", "--data-dir", str(named), "--out", str(tmp_path / "out")] + RESNET[:-2])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    said = f"error: --data-dir {named} does not exist"
+    if case == "an empty folder":
+        said = (f"error: --data-dir {named} holds neither Fashion-MNIST ({named}/FashionMNIST/raw) nor, for the ResNet "
+                f"scripts, train/ and val/ (a subfolder of images per class)")
+    assert result.stderr.strip().splitlines() == [said]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["nope"] if case == "an empty folder" else []) + ["out"]
+
+
+def test_fashion_mnist_is_fetched_into_the_default_folder_only(tmp_path, monkeypatch):
+    """No --data-dir: torchvision downloads it into ./data (here offline, so it says what to do instead)."""
+    result = run(["python", "-c", "import scratch_lenet; scratch_lenet.main([])"], env={**OFFLINE, "PYTHONPATH": HERE},
+                 cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"error: cannot read Fashion-MNIST in {tmp_path}/data/FashionMNIST/raw (" in result.stderr
+    for what_to_do in ("bash run_all.sh", "dataset-fashion-mnist", "FashionMNIST('data', download=True)"):
+        assert what_to_do in result.stderr
+    assert (tmp_path / "data" / "FashionMNIST" / "raw").is_dir()   # where torchvision tried
+
+
+def test_curves_have_whole_epochs_on_their_axis(tmp_path, monkeypatch):
+    """curves.png of 1, 3 and 12 epochs: every tick an epoch (none at 2.5), every point inside the axis (a single
+    epoch's was drawn on an axis from 0.96 to 1.04)."""
+    figures = []
+    class Kept(common.Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            figures.append(self)
+    monkeypatch.setattr(common, "Figure", Kept)
+    for epochs in (1, 3, 12):
+        history = [{"epoch": e, "train_loss": 1 / e, "train_acc": 0.5, "test_acc": 0.5, "samples": 10, "seconds": 1.0}
+                   for e in range(1, epochs + 1)]
+        metrics = {"script": "a.py", "config": {"out": str(tmp_path)}, "devices": ["cpu"], "backend": "gloo",
+                   "layout": "1 process x 1 replica", "test_samples": 10, "epochs": history}
+        common.finish(metrics, epochs, 1.0, {}, {})
+        for ax in figures[-1].axes:
+            low, high = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if low <= t <= high]
+            assert ticks and all(t == round(t) for t in ticks), ticks
+            assert low <= 0.5 and high >= epochs + 0.5
 
 
 def rank_batches(samples, global_batch, rank, world_size, epoch, start=0):
@@ -91,18 +152,6 @@ def test_accuracy_counts_exactly_past_float32s_integers():
     X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
     X[:, 0], y[0] = 1, 1
     assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == (n - 1) / n
-
-
-def test_in_memory_batches_are_indexed_on_the_datas_device():
-    """The training set lives on the GPU: its batches' indices are made there too (a list would be copied
-    to the GPU synchronously, once per tensor indexed)."""
-    data = torch.utils.data.TensorDataset(torch.empty(100, 1, 28, 28, device=META),
-                                          torch.empty(100, dtype=torch.long, device=META))
-    loader, sampler = common.train_loader(data, 16, 0, 0, 1, META)
-    sampler.set_epoch(1)
-    assert next(iter(loader.sampler)).device == META
-    X, y = next(iter(loader))
-    assert X.device == META and X.shape == (16, 1, 28, 28) and y.shape == (16,)
 
 
 def meta_batch(n=8):
@@ -238,6 +287,8 @@ def test_replicas_compute_at_the_same_time(monkeypatch):
     (scratch_lenet, ["--overlap"], "error: unrecognized arguments: --overlap"),   # scratch_ring.py's
     (scratch_ring, ["--overlap", "--zero"], "error: --overlap and --zero: choose one"),
     (scratch_ring, ["--bucket-kb", "0"], "error: argument --bucket-kb: must be positive, got 0"),
+    (ddp_resnet, ["--epochs", "abc"], "error: argument --epochs: invalid int value: 'abc'"),
+    (ddp_resnet, ["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'"),
 ])
 def test_bad_flags_give_argparse_errors(script, flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -346,12 +397,12 @@ def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch):
     pretend_gpus(monkeypatch, 1, 2)
     with pytest.raises(SystemExit) as exit_info:
         ddp_toy.main([])
-    assert "2 processes on this node but 1 GPUs" in str(exit_info.value.code)
+    assert "2 processes x 1 GPUs on this node, which has 1;" in str(exit_info.value.code)
     assert "let them share: --backend gloo" in str(exit_info.value.code)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     with pytest.raises(SystemExit) as exit_info:
         scratch_ring.main(["--devices", "2"])
-    assert "2 processes x 2 GPUs each on this node but 3 GPUs" in str(exit_info.value.code)
+    assert "2 processes x 2 GPUs on this node, which has 3;" in str(exit_info.value.code)
 
 
 def pretend_gpus(monkeypatch, count, ranks_here):

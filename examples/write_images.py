@@ -13,9 +13,9 @@ CLASSES = ("t-shirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shi
 
 def write_images(data_dir, out, train_samples=None, test_samples=None):
     from torchvision.datasets import FashionMNIST
-    common.fashion_mnist(data_dir)   # the files where torchvision reads them, or one line saying what to do
+    common.fashion_mnist(data_dir)   # there (downloaded into ./data), or what to do, said
     for train, split, n in ((True, "train", train_samples), (False, "val", test_samples)):
-        data = FashionMNIST(data_dir, train=train)
+        data = FashionMNIST(data_dir or "data", train=train)
         images, labels = data.data[:n], data.targets[:n]
         for label, name in enumerate(CLASSES):
             os.makedirs(os.path.join(out, split, f"{label}_{name}"), exist_ok=True)
@@ -27,7 +27,8 @@ def write_images(data_dir, out, train_samples=None, test_samples=None):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", metavar="DIR", help="the folder to write")
-    parser.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    parser.add_argument("--data-dir", help="a folder with Fashion-MNIST (FashionMNIST/raw/); default: ./data, where "
+                        "it is downloaded")
     parser.add_argument("--train-samples", type=common.positive_int, help="only the first N training images")
     parser.add_argument("--test-samples", type=common.positive_int, help="only the first N test images")
     args = parser.parse_args()

@@ -67,21 +67,33 @@ def once(fixture):
     return computed_once
 
 
+FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"   # apt-get install dataset-fashion-mnist: the four files, gzipped
+
+
+def unpack_debian_files(data_dir, debian_dir=DEBIAN_DIR):
+    """The set-up run_all.sh does: Debian's .gz files unpacked where torchvision's FashionMNIST reads them."""
+    raw = os.path.join(data_dir, "FashionMNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    for name in FILES:
+        if not os.path.exists(os.path.join(raw, name)):
+            with gzip.open(os.path.join(debian_dir, name + ".gz")) as packed, open(os.path.join(raw, name), "wb") as f:
+                shutil.copyfileobj(packed, f)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fashion_mnist():
+    if not all(os.path.exists(os.path.join(DATA, "FashionMNIST", "raw", name)) for name in FILES):
+        unpack_debian_files(DATA)
     try:
         common.fashion_mnist(DATA)
     except SystemExit as e:
         pytest.fail(str(e.code))
 
 
-def write_gz_files(folder):
-    """Fashion-MNIST's four .gz files in `folder`, as its site and Debian ship them, from DATA's unpacked ones."""
-    os.makedirs(folder, exist_ok=True)
-    for name in common.FILES:
-        with open(os.path.join(DATA, "FashionMNIST", "raw", name[:-3]), "rb") as raw:
-            with gzip.open(os.path.join(folder, name), "wb", compresslevel=1) as packed:
-                shutil.copyfileobj(raw, packed)
+def copy_fashion_mnist(data_dir):
+    """DATA's Fashion-MNIST, as torchvision unpacks it, in another folder (another node's disk)."""
+    shutil.copytree(os.path.join(DATA, "FashionMNIST", "raw"), os.path.join(data_dir, "FashionMNIST", "raw"))
 
 
 def free_port():
@@ -92,17 +104,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def folder_datasets(folder, image_size=28, augment=False, train_samples=None):
+    """What ddp_resnet.py's datasets() makes of an image folder: (training set, validation set, classes)."""
+    import ddp_resnet
+    flags = ["--data-dir", str(folder), "--image-size", str(image_size)] + ([] if augment else ["--no-augment"])
+    if train_samples:
+        flags += ["--train-samples", str(train_samples)]
+    return ddp_resnet.datasets(ddp_resnet.parse_args(flags))
+
+
 def fashion_resnet(seed=0):
     """The ResNet-18 the scripts make for Fashion-MNIST: 1x28x28 images, a 3x3 stem, no max-pool."""
     return common.resnet("resnet18", 10, seed, channels=1, image_size=28)
 
 
-def run(command, *, env=None, timeout=300):
-    """Run a README command (small sizes through flags) from the repo root."""
+def run(command, *, env=None, timeout=300, cwd=HERE):
+    """Run a README command (small sizes through flags), from the repo root unless told."""
     if command[0] in ("python", "torchrun"):
         command = ([sys.executable] if command[0] == "python" else
                    [sys.executable, "-m", "torch.distributed.run"]) + command[1:]
-    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **(env or {})}, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)

@@ -1,13 +1,14 @@
 """Your own data: an image folder read from disk by DataLoader workers is the same training as the
 data held in memory, at any number of workers and ranks, resumed mid-epoch; bad folders are named."""
-import gzip, json, os, shutil, signal, struct, subprocess, sys
+import atexit, json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
+from PIL import Image
 from torchvision.datasets import FashionMNIST
 import common
 from write_images import write_images
-from helpers import (DATA, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of, fashion_resnet,
-                     load_model, read, run, running, wait_for)
+from helpers import (DATA, FILES, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of,
+                     fashion_resnet, folder_datasets, load_model, read, run, running, wait_for)
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--image-size", "28", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -52,21 +53,20 @@ def test_two_ranks_with_workers_train_like_one_process_with_two_micro_batches(im
 
 def write_idx(path, tensor):
     header = bytes([0, 0, 8, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + tensor.numpy().tobytes())
+    path.write_bytes(header + tensor.numpy().tobytes())
 
 
 def test_folder_trains_like_memory_on_the_same_images_in_the_same_order(images, tmp_path):
     """The folder's order is by class, then file name; IDX files written in that order hold the
     same images at the same indices. Without augmentation, the DataLoader is only plumbing."""
     idx = tmp_path / "idx"
-    idx.mkdir()
-    for (images_file, labels_file), n, train in zip((common.FILES[:2], common.FILES[2:]), (TRAIN, VAL), (True, False)):
+    (idx / "FashionMNIST" / "raw").mkdir(parents=True)
+    for (images_file, labels_file), n, train in zip((FILES[:2], FILES[2:]), (TRAIN, VAL), (True, False)):
         data = FashionMNIST(DATA, train=train)
         pixels, labels = data.data[:n], data.targets[:n]
         order = sorted(range(n), key=lambda i: (int(labels[i]), i))
-        write_idx(idx / images_file, pixels[order].contiguous())
-        write_idx(idx / labels_file, labels[order].to(torch.uint8).contiguous())
+        write_idx(idx / "FashionMNIST" / "raw" / images_file, pixels[order].contiguous())
+        write_idx(idx / "FashionMNIST" / "raw" / labels_file, labels[order].to(torch.uint8).contiguous())
     flags = ["--max-steps", "4", "--batch-size", "16", "--epochs", "2"]
     memory = run(["python", "ddp_resnet.py", "--data-dir", str(idx), "--out", str(tmp_path / "m")] + flags)
     folder = run(["python", "ddp_resnet.py", "--data-dir", str(images), "--no-augment", "--image-size", "28",
@@ -82,7 +82,7 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     """The same picture at different indices, epochs, ranks or workers is cropped differently;
     the same (epoch, index) is cropped alike again, whoever loads it, as after a resume. Loading
     (in the training process with --workers 0) leaves its generators as they were, the GPU's too."""
-    folder, _, _ = common.image_folders(str(images), 24, True)
+    folder, _, _ = folder_datasets(images, 24, augment=True)
     folder.samples = [folder.samples[0]] * 32   # one picture, 32 times
     train = common.Seeded(folder, 0)
     before, gpu_seeded = torch.get_rng_state(), []
@@ -108,13 +108,18 @@ def test_augmentation_differs_between_samples_ranks_and_workers_and_repeats_afte
     assert len(resumed) == 1 and torch.equal(resumed[0], per_rank[1][1])
 
 
-def test_a_subset_of_a_folder_spans_its_classes(images):
-    """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48
-    (which come from the first five classes)."""
-    whole, _, _ = common.image_folders(str(images), 28, False)
+def test_a_part_of_a_folder_spans_its_classes_and_leaves_the_folder_whole(images):
+    """--train-samples 48 of a folder sorted by class: 48 images spread over it, not its first 48 (which come
+    from the first five classes), taken with torch's Subset: the folder's samples, targets and imgs stay whole
+    and agree."""
+    whole, _, _ = folder_datasets(images)
     assert len({label for _, label in whole.samples[:48]}) <= 5
-    subset, _, _ = common.image_folders(str(images), 28, False, train_samples=48)
-    assert len(subset) == 48 and {label for _, label in subset.samples} == set(range(10))
+    part, _, _ = folder_datasets(images, train_samples=48)
+    labels = [part[i][1] for i in range(len(part))]
+    assert len(part) == 48 and set(labels) == set(range(10))
+    folder = part.dataset
+    assert len(folder.samples) == len(folder.targets) == len(folder.imgs) == TRAIN
+    assert labels == [folder.targets[i] for i in part.indices] == [folder.samples[i][1] for i in part.indices]
 
 
 # ---------------------------------------------------------------- resume, evaluation, uneven data
@@ -150,19 +155,42 @@ def test_fsdp_mid_epoch_resume_from_an_image_folder_with_workers_ends_like_one_r
 def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
     """3 ranks, 61 validation images (20, 20, 21 each): the reported accuracy is one process's on
     the same weights over all 61. 96 training images in global batches of 27 (9 a rank): 3 batches,
-    15 images left out each epoch, said."""
+    15 images left out of each epoch (other ones each epoch)."""
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py", "--data-dir", str(images),
                   "--image-size", "28", "--batch-size", "27", "--epochs", "2", "--workers", "1",
                   "--out", str(tmp_path)], timeout=300)
     assert_ok(result)
-    assert "96 training images make 3 global batches of 27 per epoch: 15 are left out of each epoch" in result.stdout
     metrics = json.load(open(tmp_path / "metrics.json"))
     assert metrics["test_samples"] == VAL and metrics["steps"] == 6
     net = fashion_resnet(0)
     net.load_state_dict(load_model(tmp_path))
-    _, val, _ = common.image_folders(str(images), 28, False)
+    _, val, _ = folder_datasets(images)
     cpu = torch.device("cpu")
     assert metrics["test_acc"] == common.accuracy(net.eval(), common.test_loader(val, 0, 1, cpu), cpu, 1)
+
+
+def test_a_gray_image_among_colour_ones_is_read_in_colour(images, tmp_path):
+    """ImageNet holds grayscale JPEGs among its colour ones: every image is read in the folder's mode, the first
+    image's."""
+    folder = tmp_path / "colour"
+    shutil.copytree(images, folder)
+    pictures = sorted(folder.rglob("*.png"))
+    for picture in pictures:
+        Image.open(picture).convert("RGB").save(picture)
+    Image.open(pictures[1]).convert("L").save(pictures[1])
+    train, _, _ = folder_datasets(folder)
+    assert Image.open(train.samples[1][0]).mode == "L"
+    assert [train[i][0].shape for i in range(3)] == [(3, 28, 28)] * 3
+
+
+def test_loaders_register_one_exit_handler(images):
+    """Workers are killed at exit by one handler, not one more per loader made."""
+    train, _, _ = folder_datasets(images)
+    before = atexit._ncallbacks()
+    for _ in range(3):
+        common.train_loader(train, 16, 0, 0, 1, torch.device("cpu"), workers=1)
+        common.test_loader(train, 0, 1, torch.device("cpu"), workers=1)
+    assert atexit._ncallbacks() == before
 
 
 # ---------------------------------------------------------------- bad folders

@@ -1,7 +1,7 @@
 """Faults, preemption and bad input: checkpoints and resuming (mid-epoch, other world sizes, a
 rank that alone sees the file, crashes mid-write), signals, killed workers, timeouts, ports,
 unusable folders and numbers. Run by `bash run_all.sh test`."""
-import json, os, re, shutil, signal, subprocess, sys, threading, time
+import functools, gzip, http.server, json, os, re, shutil, signal, subprocess, sys, threading, time
 import pytest
 import torch
 import common
@@ -9,8 +9,9 @@ from write_images import write_images
 import ddp_resnet
 import ddp_toy
 import fsdp_resnet
-from helpers import (DATA, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
-                     fashion_resnet, free_port, kill_tree, load_model, read, run, wait_for, write_gz_files)
+from helpers import (DATA, FILES, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
+                     copy_fashion_mnist, fashion_resnet, folder_datasets, free_port, kill_tree, load_model, read, run,
+                     wait_for)
 
 # ---------------------------------------------------------------- preemption and resuming
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py"])
@@ -102,7 +103,7 @@ def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_unint
     assert "checkpoint: step 3 (epoch 1, batch 3/6)" in first.stdout
     capped = run(torchrun + ["--resume", "--max-steps", "2"])
     assert_ok(capped)
-    assert "nothing to train" in capped.stdout and "at step 3, at or past --max-steps 2" in capped.stdout
+    assert "nothing to train" in capped.stdout and "at step 3, and this run ends at step 2" in capped.stdout
     assert "done:" not in capped.stdout
     resumed = run(torchrun + ["--resume", "--max-steps", "12"])
     assert_ok(resumed)
@@ -152,7 +153,7 @@ def test_a_failed_ranks_reason_reaches_torchruns_summary_and_its_peer_ends_at_on
     collective, ends at once with what torch says (gloo sees the connection close), and no rank aborts."""
     folder = tmp_path / "images"
     write_images(DATA, str(folder), 32, 20)
-    train, _, _ = common.image_folders(str(folder), 28, True)
+    train, _, _ = folder_datasets(folder, augment=True)
     sampler = common.ResumableSampler(common.Seeded(train, 0), 4, rank=1, world_size=2, seed=0)
     sampler.set_epoch(1)
     first = next(iter(sampler))
@@ -214,32 +215,34 @@ def two_nodes(folders, flags, timeout=120):
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
 
 
-@pytest.mark.parametrize("node_1_has", ["nothing", "a truncated file", "a file as --data-dir"])
-def test_each_node_prepares_its_own_data_and_a_problem_one_node_has_ends_both(node_1_has, tmp_path):
-    """The README's several-machines command in two empty folders (default --data-dir data): each
-    node's first process fetches its own copy, and both train. A problem only node 1 has (a
-    truncated file; a file where the folder should be) is said by node 1, and node 0 stops with one
-    line at once, not at a timeout."""
+@pytest.mark.parametrize("node_1_has", ["its own copy", "a truncated file", "a file as --data-dir"])
+def test_each_node_reads_its_own_disk_and_a_problem_one_node_has_ends_both(node_1_has, tmp_path):
+    """The README's several-machines command, each node in a folder of its own with --data-dir data: both train
+    on their own copies. A problem only node 1 has (a truncated file; a file where the folder should be) is
+    said by node 1, and node 0 stops with one line at once, not at a timeout."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in folders:
-        folder.mkdir()
+    copy_fashion_mnist(folders[0] / "data")
+    folders[1].mkdir()
     if node_1_has == "a file as --data-dir":   # not a folder: it must not fall back on another copy
         (folders[1] / "data").write_text("not a folder")
-    elif node_1_has == "a truncated file":
-        write_gz_files(folders[1] / "data")
-        first_labels = folders[1] / "data" / "train-labels-idx1-ubyte.gz"
-        first_labels.write_bytes(first_labels.read_bytes()[:100])
+    else:
+        copy_fashion_mnist(folders[1] / "data")
+    if node_1_has == "a truncated file":
+        labels = folders[1] / "data" / "FashionMNIST" / "raw" / "train-labels-idx1-ubyte"
+        labels.write_bytes(labels.read_bytes()[:100])
     started = time.time()
     (code0, out0, err0), (code1, out1, err1) = two_nodes(
-        folders, ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--max-steps", "1"])
-    if node_1_has == "nothing":
+        folders, ["--data-dir", "data", "--train-samples", "32", "--test-samples", "20", "--batch-size", "16",
+                  "--max-steps", "1"])
+    if node_1_has == "its own copy":
         assert code0 == 0 and code1 == 0, (err0 + err1)[-3000:]
         assert "done: 1 steps" in out0
         return
     assert code0 != 0 and code1 != 0
     assert time.time() - started < 60   # both stopped at once
-    if node_1_has == "a truncated file":   # node 1 names the file; node 0 says why it stops
-        assert "error: data/train-labels-idx1-ubyte.gz is truncated or corrupt" in err1, err1[-3000:]
+    if node_1_has == "a truncated file":   # node 1 names the folder; node 0 says why it stops
+        said = f"error: cannot read Fashion-MNIST in {folders[1]}/data/FashionMNIST/raw ("
+        assert said in err1 and len(err1.split(said)[0].strip().splitlines()) <= 1, err1[-3000:]
     else:
         assert "error: --data-dir data is not a folder" in err1, err1[-3000:]
     assert "stopping: rank 1 cannot go on (its line says why)" in err0, err0[-3000:]
@@ -304,14 +307,21 @@ def test_resume_with_other_training_flags_is_refused_and_overwrites_nothing(scri
 def test_mid_epoch_checkpoint_resumes_at_another_world_size(
         mid_epoch_checkpoint_of_2_ranks, resnet_uninterrupted, tmp_path):
     """Same global batch, same batches: 1 process with 2 micro-batches (the per-rank BatchNorm of
-    2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights."""
-    checkpoint = tmp_path / "checkpoint.pt"
-    shutil.copy(mid_epoch_checkpoint_of_2_ranks, checkpoint)
-    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path)] + PREEMPTIBLE)
+    2 ranks) goes on from the 2 ranks' checkpoint and ends with their uninterrupted weights. Without
+    --accum-steps 2 its BatchNorm would normalise 16 images at a time, not 8: it goes on, saying so."""
+    for out in ("same", "other"):
+        (tmp_path / out).mkdir()
+        shutil.copy(mid_epoch_checkpoint_of_2_ranks, tmp_path / out / "checkpoint.pt")
+    result = run(["python", "ddp_resnet.py", "--resume", "--accum-steps", "2", "--out", str(tmp_path / "same")] +
+                 PREEMPTIBLE)
     assert_ok(result)
-    assert "epoch 1 at batch 2/6, step 2" in result.stdout
-    got, params = load_model(tmp_path), dict(fashion_resnet(0).named_parameters())
+    assert "epoch 1 at batch 2/6, step 2" in result.stdout and "note: BatchNorm" not in result.stdout
+    got, params = load_model(tmp_path / "same"), dict(fashion_resnet(0).named_parameters())
     assert_same_weights({k: got[k] for k in params}, {k: resnet_uninterrupted[k] for k in params})
+    other = run(["python", "ddp_resnet.py", "--resume", "--max-steps", "3", "--out", str(tmp_path / "other")] +
+                PREEMPTIBLE)
+    assert_ok(other)
+    assert "note: BatchNorm now normalises 16 images at a time, 8 before" in other.stdout
 
 
 def test_fsdp_checkpoint_saved_by_2_ranks_loads_on_1_and_3(tmp_path):
@@ -346,6 +356,28 @@ def test_writes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
     target = tmp_path / "checkpoint.pt"
     common.save_atomically(lambda tmp: torch.save({"step": 1}, tmp), str(target))
     assert synced == [f"{target}.tmp{os.getpid()}", str(tmp_path)] and torch.load(target) == {"step": 1}
+
+
+def test_a_failed_or_killed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A write that fails (a full disk) removes its temporary file; one killed mid-write leaves it, and the next
+    save of the same path removes it first. sync() closes the file even when fsync fails."""
+    target, killed = tmp_path / "checkpoint.pt", tmp_path / "checkpoint.pt.tmp4242"
+    killed.write_bytes(b"half a checkpoint")
+    def fails(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"the first bytes")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        common.save_atomically(fails, str(target))
+    assert os.listdir(tmp_path) == []
+    common.save_atomically(lambda tmp: torch.save({"step": 1}, tmp), str(target))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+    def fsync_fails(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fsync", fsync_fails)
+    before = len(os.listdir("/proc/self/fd"))
+    common.sync(str(target))
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize("bad", ["not-a-checkpoint", "another-model"])
@@ -387,27 +419,49 @@ def test_two_jobs_side_by_side_both_finish(tmp_path):
         assert job.returncode == 0, err[-3000:]
 
 
-def test_data_is_prepared_once_per_node(tmp_path):
-    fresh = tmp_path / "fresh"
-    result = run(["torchrun", "--standalone", "--nproc_per_node=3", "scratch_ring.py", "--data-dir", str(fresh),
+def test_fashion_mnist_is_downloaded_once_per_node(tmp_path):
+    """Three ranks of one node with the default --data-dir: the node's first process downloads Fashion-MNIST
+    into ./data, then the others read it (all at once, they would write the same files together). torchvision's
+    download is pointed at the files served here (no checksum) and counted, in every process the job starts."""
+    mirror, hook, node, log = tmp_path / "mirror", tmp_path / "hook", tmp_path / "node", tmp_path / "downloads"
+    for folder in (mirror, hook, node):
+        folder.mkdir()
+    for name in FILES:
+        with open(os.path.join(DATA, "FashionMNIST", "raw", name), "rb") as raw:
+            with gzip.open(mirror / f"{name}.gz", "wb", compresslevel=1) as packed:
+                shutil.copyfileobj(raw, packed)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(mirror)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    (hook / "sitecustomize.py").write_text(f"""import torchvision.datasets.mnist as mnist
+mnist.FashionMNIST.mirrors = [{url!r}]
+mnist.FashionMNIST.resources = [(name, None) for name, _ in mnist.FashionMNIST.resources]
+fetch = mnist.download_and_extract_archive
+def counted(url, *args, **kwargs):
+    with open({str(log)!r}, "a") as f:
+        f.write(url + "\\n")
+    return fetch(url, *args, **kwargs)
+mnist.download_and_extract_archive = counted
+""")
+    result = run(["torchrun", "--standalone", "--nproc_per_node=3", os.path.join(HERE, "scratch_ring.py"),
                   "--max-steps", "1", "--train-samples", "300", "--test-samples", "30", "--batch-size", "96",
-                  "--out", str(tmp_path / "out")])
+                  "--out", str(tmp_path / "out")], env={**OFFLINE, "no_proxy": "127.0.0.1", "PYTHONPATH": f"{hook}:{HERE}"},
+                 cwd=node)
+    server.shutdown()
     assert_ok(result)
-    files = sorted(p.name for p in fresh.rglob("*") if p.is_file())
-    assert not any(".tmp" in f for f in files), files
-    assert len(common.fashion_mnist(str(fresh))[0]) == 60000
-    assert sorted(os.listdir(fresh / "FashionMNIST" / "raw")) == sorted(name[:-3] for name in common.FILES)
+    assert sorted(read(log).split()) == sorted(f"{url}{name}.gz" for name in FILES)   # each once
+    assert sorted(os.listdir(node / "data" / "FashionMNIST" / "raw")) == sorted(FILES + tuple(f"{n}.gz" for n in FILES))
+    assert result.stdout.count("data: Fashion-MNIST from") == 1
 
 
-def test_missing_data_offline_says_what_to_do(tmp_path):
-    result = run(["python", "-c", "import common, scratch_lenet; common.DEBIAN_DIR = '/nonexistent'; "
-                  f"scratch_lenet.main(['--data-dir', {str(tmp_path / 'empty')!r}])"], env=OFFLINE)
-    assert result.returncode != 0
-    for needle in ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-                   "t10k-labels-idx1-ubyte.gz", "apt-get install dataset-fashion-mnist", "download=True",
-                   str(tmp_path / "empty")]:
-        assert needle in result.stderr
-    assert "Traceback" not in result.stderr
+def test_a_truncated_data_file_is_said_in_one_line(tmp_path):
+    copy_fashion_mnist(tmp_path / "data")
+    with open(tmp_path / "data" / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte", "r+b") as f:
+        f.truncate(100_000)
+    result = run(["python", "scratch_lenet.py", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"error: cannot read Fashion-MNIST in {tmp_path}/data/FashionMNIST/raw (" in result.stderr.splitlines()[0]
 
 
 def test_missing_matplotlib_stops_the_run_before_training(tmp_path):
@@ -419,17 +473,6 @@ def test_missing_matplotlib_stops_the_run_before_training(tmp_path):
                  env={"PYTHONPATH": str(tmp_path / "hide")})
     assert result.returncode == 1 and "ImportError: hidden for this test" in result.stderr
     assert "ddp_resnet:" not in result.stdout   # before training
-
-
-def test_truncated_data_file_is_named(tmp_path):
-    data = tmp_path / "data"
-    write_gz_files(data)
-    with open(data / "t10k-images-idx3-ubyte.gz", "r+b") as f:
-        f.truncate(100_000)
-    result = run(["python", "scratch_lenet.py", "--data-dir", str(data), "--out", str(tmp_path / "out")])
-    assert result.returncode != 0
-    assert "t10k-images-idx3-ubyte.gz is truncated or corrupt" in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("case", ["data-dir-is-a-file", "out-not-writable"])

@@ -68,6 +68,7 @@ def fsdp_load(checkpoint, out):
     """Under torchrun: shard a fresh model over this world size, load the checkpoint into it, and
     write the whole model it then holds."""
     import fsdp_resnet
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     rank, world_size = join()
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
@@ -75,7 +76,7 @@ def fsdp_load(checkpoint, out):
     model = fsdp_resnet.shard(other, mesh, amp=False)
     optimizer, scheduler = common.sgd_recipe(model, 0.1, 5e-4, 0, 1)
     fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, scheduler, rank, world_size)
-    state = fsdp_resnet.full_state_dict(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(state, out)
     torch.distributed.destroy_process_group()
