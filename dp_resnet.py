@@ -3,11 +3,11 @@
     python dp_resnet.py              # all GPUs; on a machine without one, the CPU as one device
     python dp_resnet.py --gpus 2
 
-Each step DataParallel copies the model from the first GPU to the others, cuts the batch into one
-piece per GPU, runs the pieces in threads of this one process, gathers the outputs on the first
-GPU, and sums the gradients back there. Simple to use; see the README for what it costs.
-Copy it with common.py.
-Lines that exist only because of DataParallel are tagged `# DP:`.
+Each step DataParallel copies the model from the first GPU to the others, cuts the batch into one piece per GPU, runs
+the pieces in threads of this one process, gathers the outputs on the first GPU, and sums the gradients back there.
+Simple to use, but every step pays for those copies and the first GPU's extra work, all driven by one Python process
+(its threads share one interpreter): PyTorch recommends DistributedDataParallel (ddp_resnet.py) even on one machine.
+Copy it with common.py. Lines that exist only because of DataParallel are tagged `# DP:`.
 """
 import argparse, os, time
 import torch
@@ -89,7 +89,8 @@ def parse_args(argv=None):
                    help="learning rate for 256 samples, scaled linearly with the batch")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
     p.add_argument("--gpus", type=common.positive_int, help="GPUs to use (default: all)")
-    p.add_argument("--data-dir", default="data", help="where Fashion-MNIST is (or will be put)")
+    p.add_argument("--data-dir", help="a folder with Fashion-MNIST (FashionMNIST/raw/); default: ./data, where "
+                   "it is downloaded")
     p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")

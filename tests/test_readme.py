@@ -1,8 +1,9 @@
 """The README says what is true: the tests it cites exist, its commands (and those of examples/README.md) name
 files and flags that exist, and the tags that mark distribution-only lines come from the list it gives."""
-import glob, os, re
+import glob, os, re, shutil, subprocess, sys
 import pytest
-from helpers import HERE
+import torch
+from helpers import DATA, HERE, fashion_resnet
 
 SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet",
            "ft_ddp_resnet")
@@ -71,3 +72,18 @@ def test_tags_come_from_the_readme_list_and_mark_every_collective():
             communicates = COMMUNICATES.search(code) and not code.lstrip().startswith(("def ", "import", "from"))
             if script in TAGS and communicates:
                 assert tags, f"untagged: {where}"
+
+
+def test_the_readme_prediction_runs_beside_common_py(tmp_path):
+    """The README's snippet, run in a folder of its own that holds common.py, a model.pt and ./data."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    snippet = next(block for block in text.split("```")[1::2] if "argmax" in block).removeprefix("python\n")
+    (tmp_path / "runs" / "ddp_resnet").mkdir(parents=True)
+    torch.save(fashion_resnet(0).state_dict(), tmp_path / "runs" / "ddp_resnet" / "model.pt")
+    shutil.copy(os.path.join(HERE, "common.py"), tmp_path)
+    os.symlink(DATA, tmp_path / "data")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("tensor([") == 2, result.stdout   # 8 predicted classes, 8 true ones
