@@ -251,8 +251,7 @@ def train(args):
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
-    # FSDP: the weights stay contiguous (fully_shard refuses others): channels_last inputs make the
-    # convolutions, and the activations after them, NHWC all the same
+    # FSDP: the weights stay contiguous (fully_shard refuses others); channels_last inputs make the convolutions NHWC
     net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1]).to(device)
     mesh = device_mesh(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.hsdp)
     model = shard(net, mesh, args.amp)
