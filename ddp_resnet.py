@@ -98,10 +98,9 @@ def wrap(net, args, device, backend, resumed, master):
     factors, with error feedback and warm start, kept per bucket (on gloo one bucket: gloo may run several
     buckets' factors in other orders on other ranks). Returns (the wrap, the model to call, PowerSGD's state)."""
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
-    # The gradients are views into DDP's buckets (no copy each way); BatchNorm's statistics are not sent every step:
-    # end_of_epoch sends rank 0's, those model.pt and the checkpoints hold, before they are used.
+    # the gradients are views into DDP's buckets: no copy between them each way
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
-                    gradient_as_bucket_view=True, broadcast_buffers=False, bucket_cap_mb=1e6 if one_bucket else None)
+                    gradient_as_bucket_view=True, bucket_cap_mb=1e6 if one_bucket else None)
     # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     powersgd = None

@@ -12,32 +12,34 @@ runs today: convolutions in TF32, cuDNN's default; matmuls in fp32), fp32 (convo
 (matmuls in TF32 too), bf16 (autocast, --amp), cl (channels_last, --channels-last), fused (SGD's fused kernel;
 CUDA's default is foreach), compile (torch.compile, --compile), cudagraphs (mode "reduce-overhead"), autotune
 (mode "max-autotune-no-cudagraphs": minutes of autotuning), bare (train_step alone; without it each step also
-takes the loop's work around it).
+takes the loop's work around it), gpudata (the training images held in the GPU's memory, each batch indexed there).
 
 Each row: ResNet-18 for 1x28x28 images (common.resnet), common.sgd_recipe at lr 0.05 x batch/256, wrapped in DDP
-over an NCCL group of one, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each step is ddp_resnet.train_step
-with the loop's work around it: the next batch drawn as its loader draws it from 60,000 images held on the GPU
-(random ones: the speed does not depend on the pixels), scheduler.step() and the stop vote (a gloo all_reduce of a
-CPU tensor, read back). --warmup steps (compiling, cuDNN's choices, the allocator) are left out; then --repeats
-runs of --steps steps between two CUDA synchronisations, the median. FLOPs: FlopCounterMode over one forward and
+over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
+step is ddp_resnet.train_step with the loop's work around it: the next batch from common.train_loader over 60,000
+images in the CPU's memory (random ones: the speed does not depend on the pixels), pinned and copied to the GPU
+without waiting, scheduler.step() and the stop vote (a gloo all_reduce of a CPU tensor, read back). --warmup steps
+(compiling, cuDNN's choices, the allocator) are left out; then --repeats runs of --steps steps between two CUDA
+synchronisations, the median. FLOPs: FlopCounterMode over one forward and
 backward of the eager model (matmuls and convolutions, 2 per multiply-add, as peaks count them). GPU busy: the time
 covered by kernels and copies in torch.profiler's trace of 5 steps, over the timed step. Syncs: the calls in one
 step that make the CPU wait for the GPU, as torch.cuda.set_sync_debug_mode finds them.
 """
-import argparse, dataclasses, gc, os, statistics, sys, time, warnings
+import argparse, dataclasses, gc, itertools, os, statistics, sys, time, warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import DeviceType
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common
+import ddp_resnet
 from ddp_resnet import train_step
 
-ROWS = ("default,fp32,tf32,bf16,cl,bf16+cl,bf16+cl+fused,default+bare,bf16+cl+fused+bare,default@512,default@1024,"
-        "bf16+cl+fused@512,bf16+cl+fused@1024,bf16+cl+fused+compile,bf16+cl+fused+cudagraphs")
+ROWS = ("default,fp32,tf32,bf16,cl,bf16+cl,bf16+cl+fused,default+bare,default+gpudata,bf16+cl+fused+bare,default@512,"
+        "default@1024,bf16+cl+fused@512,bf16+cl+fused@1024,bf16+cl+fused+compile,bf16+cl+fused+cudagraphs")
 QUICK = "default,bf16+cl+fused,bf16+cl+fused@1024"
 TRAIN_IMAGES, EPOCHS = 60_000, 5   # Fashion-MNIST's training set; ddp_resnet.py's default epochs (the schedule)
 
@@ -61,11 +63,12 @@ class Row:
     fused: bool = False
     compile: str = None   # torch.compile's mode, or None
     bare: bool = False
+    gpudata: bool = False
 
 SETTINGS = {"default": {}, "fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"}, "bf16": {"amp": True},
             "cl": {"channels_last": True}, "fused": {"fused": True}, "compile": {"compile": "default"},
             "cudagraphs": {"compile": "reduce-overhead"}, "autotune": {"compile": "max-autotune-no-cudagraphs"},
-            "bare": {"bare": True}}
+            "bare": {"bare": True}, "gpudata": {"gpudata": True}}
 
 def parse_rows(text):   # "default,bf16+cl@512" -> [Row, Row]
     rows = []
@@ -102,15 +105,21 @@ def set_precision(precision):   # torch's defaults: cuDNN's convolutions in TF32
     torch.backends.cudnn.allow_tf32 = precision != "fp32"
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
 
-def batches(images, labels, batch, device):
-    """Batches as ddp_resnet.py's loader gives them from data held on the device: a new order each epoch, the
-    last part batch left out, each batch's indices copied from pinned memory without waiting, indexed there."""
-    while True:
-        for index in torch.randperm(len(images))[:len(images) // batch * batch].split(batch):
-            if device.type == "cuda":
-                index = index.pin_memory()
-            index = index.to(device, non_blocking=True)
-            yield images[index], labels[index]
+def batches(images, labels, batch, device, on_device):
+    """Batches on the device as ddp_resnet.py takes them from common.train_loader: the data in the CPU's memory,
+    each batch pinned there and copied without waiting. on_device: the data held on the GPU instead, each batch's
+    indices copied from pinned memory without waiting and indexed there."""
+    if on_device:
+        images, labels = images.to(device), labels.to(device)
+        while True:
+            for index in torch.randperm(len(images))[:len(images) // batch * batch].split(batch):
+                index = index.pin_memory() if device.type == "cuda" else index
+                yield images[index.to(device, non_blocking=True)], labels[index.to(device, non_blocking=True)]
+    loader, sampler = common.train_loader(TensorDataset(images, labels), batch, 0, 0, 1, device)
+    for epoch in itertools.count(1):
+        sampler.set_epoch(epoch)
+        for X, y in loader:
+            yield X.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 def synchronize(device):
     if device.type == "cuda":
@@ -164,10 +173,11 @@ def time_row(row, device, vote_group, data, args):
     optimizer, scheduler = common.sgd_recipe(net, 0.05 * row.batch / 256, 5e-4, 0, steps_per_epoch * EPOCHS)
     for group in optimizer.param_groups:
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
-    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None)
+    flags = ddp_resnet.parse_args(["--batch-size", str(row.batch)])   # no --compile: the row compiles with its mode
+    ddp_model, _, _ = ddp_resnet.wrap(net, flags, device, "nccl", False, False)
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
     totals = torch.zeros(3, device=device, dtype=torch.float64)
-    drawn = batches(*data, row.batch, device)
+    drawn = batches(*data, row.batch, device, row.gpudata)
     X_fixed, y_fixed = next(drawn)
     X_fixed = X_fixed.contiguous(memory_format=memory_format)
 
@@ -237,7 +247,7 @@ def main(argv=None):
           f"of {args.repeats} x {args.steps} steps", flush=True)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)   # a group of one
     vote_group = dist.new_group(backend="gloo")
-    data = (torch.randn(TRAIN_IMAGES, 1, 28, 28, device=device), torch.randint(10, (TRAIN_IMAGES,), device=device))
+    data = (torch.randn(TRAIN_IMAGES, 1, 28, 28), torch.randint(10, (TRAIN_IMAGES,)))
     print(f"\n{'row':28} {'samples/s':>10} {'ms/step':>8} {'x default':>9} {'TFLOP/s':>8} {'of peak':>11} "
           f"{'GPU busy':>8} {'kernels':>8} {'syncs':>5} {'s':>5}", flush=True)
     started, base = time.monotonic(), None
