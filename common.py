@@ -4,8 +4,9 @@ import argparse, atexit, contextlib, gc, glob, hashlib, json, math, multiprocess
 import traceback
 import torch
 import torch.distributed as dist
-import torch.distributed.nn   # noqa: F401  before any group: imported later (DDP, torch.compile, torchvision do), its
-# functions keep the group as a default argument past destroy_process_group, and gloo's threads can abort the exit
+import torch.distributed.nn   # noqa: F401  before any group exists: imported later (as DDP, torch.compile and
+# torchvision do), its functions keep that group as a default argument, alive past destroy_process_group: at the
+# interpreter's exit gloo's threads could then abort the process
 from torch.distributed.rendezvous import rendezvous
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
@@ -116,7 +117,12 @@ def read_image(path, mode=None):   # in `mode`, else gray or RGB as it is; PIL's
     except Exception as e:
         raise RuntimeError(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): replace or remove it")
 
-def check_batch(global_batch, world_size, train_samples, rank):   # the per-rank batch, or a refusal by rank 0
+def check_batch(global_batch, world_size, train_samples, rank, asked=None):
+    """The per-rank batch, or a refusal by rank 0; a note if the data has more samples than --train-samples asked
+    for (a datasets() of your own may not apply it)."""
+    if asked and train_samples > asked and rank == 0:
+        print(f"note: datasets() gave {train_samples} training samples: it does not apply --train-samples {asked}",
+              flush=True)
     if global_batch % world_size:
         sys.exit(f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if rank == 0 else 1)
     if train_samples < global_batch:
@@ -177,8 +183,8 @@ def loader(dataset, batches, device, workers=0, **options):
                       worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
 
 def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
-    """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch. A
-    Dataset but tensors in memory draws its random numbers from (seed, epoch, index)."""
+    """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch. Any
+    Dataset other than tensors in memory draws its random numbers from (seed, epoch, index)."""
     if not isinstance(dataset, TensorDataset):
         dataset = Seeded(dataset, seed)
     sampler = ResumableSampler(dataset, global_batch // world_size, rank, world_size, seed)
@@ -194,7 +200,7 @@ def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
 @torch.no_grad()
 def accuracy(predict, batches, device, world_size):
     """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing: integers on `device`
-    (CUDA refuses to stack a CPU tensor with its own), exact at any size."""
+    (a count made on the CPU could not be summed with CUDA's), exact at any size."""
     totals = torch.zeros(2, device=device, dtype=torch.int64)
     for X, y in batches:
         y = y.to(device, non_blocking=True)

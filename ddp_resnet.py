@@ -68,8 +68,8 @@ def save_checkpoint(path, net, optimizer, scheduler, position, flags, history):
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
 
 def load_checkpoint(path, net, optimizer, scheduler, master):
-    """Rank 0 reads the file and sends it to every rank (nodes need not share a disk), but for the weights:
-    the DDP wrap broadcasts rank 0's anyway. The checkpoint, or None; an error is said once."""
+    """Rank 0 reads the file and sends it to every rank (only rank 0's node needs it on its disk), but for the
+    weights: the DDP wrap broadcasts rank 0's anyway. The checkpoint, or None; an error is said once."""
     state = [None]
     if master and not os.path.exists(path):
         print(f"no checkpoint at {path}: training starts from step 0", flush=True)
@@ -77,7 +77,8 @@ def load_checkpoint(path, net, optimizer, scheduler, master):
         try:
             state[0] = torch.load(path, map_location="cpu")
             net.load_state_dict(state[0].pop("model"))
-            missing = {"flags", "optimizer", "scheduler", "epoch", "batch_in_epoch", "step"} - state[0].keys()
+            missing = {"flags", "optimizer", "scheduler", "epoch", "batch_in_epoch", "step", "totals", "seconds",
+                       "history"} - state[0].keys()
             if missing:
                 raise ValueError(f"it lacks {', '.join(sorted(missing))}")
         except Exception as e:   # a foreign file can raise anything: say which file and why
@@ -106,7 +107,8 @@ def wrap(net, args, device, backend, resumed, master):
     powersgd = None
     if args.comm_hook in ("bf16", "fp16"):   # DDP: the hook
         ddp_model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
-    elif args.comm_hook == "powersgd":   # DDP: the hook; DDP re-buckets after step 1, so a resume starts it afresh
+    elif args.comm_hook == "powersgd":   # DDP: the hook. Its state is per bucket, and DDP makes its buckets anew in a
+        # process's first step: a checkpoint does not keep it, and a resume starts it afresh
         powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
                                                start_powerSGD_iter=args.powersgd_start)
         ddp_model.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)
@@ -145,8 +147,8 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
     optimizer.step()
 
 def end_of_epoch(net, totals, test_batches, device, world_size):
-    """The epoch's sums over all ranks; rank 0's BatchNorm statistics on all (those model.pt holds; each rank's
-    own batches updated its own); the test accuracy over all ranks."""
+    """The epoch's sums over all ranks; rank 0's BatchNorm statistics on all, those model.pt holds (DDP sends them
+    before each forward, and each rank's last forward updated its own); the test accuracy over all ranks."""
     dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
     for buffer in net.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
@@ -160,19 +162,18 @@ def train(args):
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: NCCL between GPUs, where torch has it
-    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs where torch has no NCCL)
     device = common.pick_device(backend)   # DDP: one GPU per process
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
                             device_id=device if backend == "nccl" else None)
+    stop = common.StopSignal()   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step, from now on
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         os.makedirs(args.out, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)   # now, not at the first save
     train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DDP: per node
     shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
-    if master and args.train_samples and len(train_set) > args.train_samples:   # a datasets() of your own
-        print(f"note: datasets() gave {len(train_set)} training samples: it does not apply --train-samples "
-              f"{args.train_samples} (a Subset would)", flush=True)
-    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
+    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank, args.train_samples)
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into --accum-steps "
                          f"{args.accum_steps} micro-batches" if master else 1)
@@ -214,7 +215,6 @@ def train(args):
             save_checkpoint(args.checkpoint, net, optimizer, scheduler, here, flags, metrics["epochs"])
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
         dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
-    stop = common.StopSignal()   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step
     ddp_model, model, powersgd = wrap(net, args, device, backend, state is not None, master)   # DDP: the wrap
     if master:
         print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
@@ -239,10 +239,10 @@ def train(args):
             every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(step, epoch, batch_in_epoch, totals, timer())
-            if signalled and master:
-                print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
-                      f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
             if signalled:   # DDP: every rank stops after this same step, the checkpoint written
+                if master:
+                    print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
+                          f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
                 raise SystemExit(common.PREEMPTED)
             if step == final_step:
                 break

@@ -229,22 +229,20 @@ def train(args):
     # FSDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     nccl = torch.cuda.is_available() and dist.is_nccl_available()   # FSDP: NCCL between GPUs, where torch has it
-    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs where torch has no NCCL)
     device = common.pick_device(backend)   # FSDP: one GPU per process
     if backend == "gloo" and device.type == "cuda":
         sys.exit(f"rank {rank}: error: FSDP2 over gloo crashes with CUDA tensors (SIGSEGV): use --backend nccl "
                  f"(one process per GPU), or the CPU: CUDA_VISIBLE_DEVICES=")
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # FSDP: all ranks
                             device_id=device if backend == "nccl" else None)
+    stop = common.StopSignal()   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step, from now on
     master = rank == 0   # FSDP: rank 0 alone prints and writes
     if master:
         os.makedirs(args.out, exist_ok=True)
     train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # FSDP: per node
     shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
-    if master and args.train_samples and len(train_set) > args.train_samples:   # a datasets() of your own
-        print(f"note: datasets() gave {len(train_set)} training samples: it does not apply --train-samples "
-              f"{args.train_samples} (a Subset would)", flush=True)
-    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank)
+    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank, args.train_samples)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
                                                  args.workers)   # FSDP: this rank's 1/W of each global batch
     test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
@@ -278,7 +276,6 @@ def train(args):
         save_checkpoint(args.checkpoint, model, optimizer, scheduler, here, flags, metrics["epochs"], rank)
         if master:
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
-    stop = common.StopSignal()   # FSDP: SIGTERM/SIGUSR1 stop every rank at the same step
     if master:
         replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
         print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
@@ -303,10 +300,10 @@ def train(args):
             every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
             if signalled or (not epoch_end and (every or step == final_step)):
                 save(step, epoch, batch_in_epoch, totals, timer())
-            if signalled and master:
-                print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
-                      f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
             if signalled:   # FSDP: every rank stops after this same step, its shards written
+                if master:
+                    print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
+                          f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
                 raise SystemExit(common.PREEMPTED)
             if step == final_step:
                 break

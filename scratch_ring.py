@@ -280,7 +280,7 @@ def main(argv=None):
     # RING: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     nccl = torch.cuda.is_available() and dist.is_nccl_available()   # RING: NCCL between GPUs, where torch has it
-    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs on Windows and macOS)
+    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs where torch has no NCCL)
     device = common.pick_device(backend, gpus_each=args.devices)   # RING: K = --devices GPUs each
     if backend == "gloo" and device.type == "cuda":   # gloo's TCP transport reads a CUDA pointer as host memory
         sys.exit(f"rank {rank}: error: gloo cannot send CUDA tensors point to point (\"Bad address\"): use "

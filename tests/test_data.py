@@ -267,7 +267,8 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     replaced by a Dataset of CIFAR's shape made here, its random flips drawn from torch's generator. Two ranks
     with 2 workers each, a warm-up and a cosine over 2 epochs, SIGTERM to every process of the job (every rank
     and worker, as SLURM sends it) mid-epoch: the ranks stop together at a step boundary, and the resumed run
-    ends with the weights of a run never stopped; the model is made for 3x32x32 images (a 3x3 stem)."""
+    ends with the weights of a run never stopped; the model is made for 3x32x32 images (a 3x3 stem). --train-samples,
+    which this datasets() does not apply, is said to be left unapplied."""
     page = open(os.path.join(HERE, "ddp_resnet.py")).read()
     start = page.index("def datasets(args):")
     end = page.index("# ---------------------------------------------------------------- checkpoints")
@@ -276,13 +277,14 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     (copy / "ddp_resnet.py").write_text(page[:start] + YOUR_DATA + page[end:])
     shutil.copy(os.path.join(HERE, "common.py"), copy)
     flags = ["--batch-size", "16", "--epochs", "2", "--workers", "2", "--warmup-epochs", "1", "--checkpoint-every",
-             "2", "--lr", "0.01"]
+             "2", "--lr", "0.01", "--train-samples", "48"]   # which this datasets() does not apply: said
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     whole = subprocess.run(torchrun + flags + ["--out", "whole"], cwd=copy, env=env, capture_output=True, text=True,
                            timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert "resnet18 for (3, 32, 32) images" in whole.stdout
+    assert "note: datasets() gave 96 training samples: it does not apply --train-samples 48" in whole.stdout
     log = tmp_path / "log"
     with open(log, "w") as f:
         job = subprocess.Popen(torchrun + flags + ["--out", "parts"], cwd=copy, stdout=f, stderr=subprocess.STDOUT,
