@@ -64,19 +64,17 @@ def measure(members, steps):
     address = ("127.0.0.1", port)
     env = {**os.environ, "FT_SECRET": SECRET}
     coordinator = subprocess.Popen([sys.executable, "ft_ddp_resnet.py", "--serve", f"127.0.0.1:{port}",
-                                    "--store-port", str(free_port())], cwd=ROOT, env=env,
+                                    "--store-port", str(free_port()), "--member-timeout", "600"], cwd=ROOT, env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        flags = {"member_timeout": 600.0, "min_members": members, "final_step": 10 ** 9}
+        flags = {"min_members": members, "final_step": 10 ** 9}
         for _ in range(300):
             try:
                 socket.create_connection(address).close()
                 break
             except OSError:
                 time.sleep(0.1)
-        stubs = [Stub(address, flags) for _ in range(members)]   # one at a time: each proves itself first
-        for stub in stubs:
-            stub.send({"op": "ready", "step": 0})
+        stubs = [Stub(address, flags) for _ in range(members)]   # one at a time: each proves itself, asks for a quorum
         for stub in stubs:
             assert stub.read()["world"] == members
         samples, cpu_start, wall_start = [], cpu_seconds(coordinator.pid), time.perf_counter()
