@@ -221,11 +221,14 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
                 made["failure"] = failure(e, started)
         maker = threading.Thread(target=make, daemon=True)
         maker.start()
-        maker.join(6 * self.timeout)
+        waited = 0.0   # on the store: a time this process was stopped (SIGSTOP) is not the store's
+        while maker.is_alive() and waited < 6 * self.timeout:
+            before = time.monotonic()
+            maker.join(0.25)
+            waited += min(time.monotonic() - before, 0.5)
         if maker.is_alive():
-            host, port = self.args.join
-            self.leave(f"lost the coordinator at {host}:{port} (its store did not answer for {6 * self.timeout:g} "
-                       f"s); once it is back, --resume goes on", common.PREEMPTED, end=os._exit)
+            why = self.link.lost(f"its store did not answer for {6 * self.timeout:g} s")
+            self.leave(why, common.PREEMPTED, end=os._exit)
         if made["failure"]:
             self.gen = None
         return made["failure"]
@@ -546,14 +549,12 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
             if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in
                 unproven[0].lost = f"refused: more than {MAX_UNPROVEN} connections at once have not joined"
         now = time.monotonic()
-        for c in self.connections.values():
-            if not c.joined and now - c.since > PROVE_WITHIN:
-                c.lost = c.lost or f"refused: it did not prove it knows FT_SECRET within {PROVE_WITHIN:g} s"
+        for c in [c for c in self.connections.values() if not c.joined and now - c.since > PROVE_WITHIN]:
+            c.lost = c.lost or f"refused: it did not prove it knows FT_SECRET within {PROVE_WITHIN:g} s"
         if now - self.last_beat > min(1.0, self.timeout / 4):   # FT: the coordinator is alive
             self.last_beat = now
-            for c in self.connections.values():
-                if c.joined:
-                    self.send(c, {"beat": 1})
+            for c in [c for c in self.connections.values() if c.joined]:
+                self.send(c, {"beat": 1})
 
     def read(self, c):
         try:
@@ -706,8 +707,7 @@ def address(text):
     return host, int(port)
 
 def parse_args(argv=None):   # a member's flags, or with --serve the coordinator's
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a.split("=")[0] == "--serve" for a in argv):
+    if any(a.split("=")[0] == "--serve" for a in (sys.argv[1:] if argv is None else argv)):
         p = argparse.ArgumentParser(description="The coordinator of a run of ft_ddp_resnet.py: it trains nothing.")
         p.add_argument("--serve", type=address, required=True, metavar="HOST:PORT", help="where members join")
         p.add_argument("--run-id", help="the run: the one it printed continues that run (default: a new one)")

@@ -195,13 +195,19 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
 def test_a_member_stopped_while_its_group_is_made_is_voted_out_and_the_other_goes_on(uninterrupted, tmp_path):
     """Stopped once its address is in the store, it leaves its peer's gloo connecting to a process
     that does not answer (~5 x --member-timeout): the peer's group fails, it is voted out, and the
-    peer trains on alone, not ended by the watchdog that guards group-making against a hung store."""
+    peer trains on alone, not ended by the 6 x --member-timeout that guards group-making against a
+    hung store. Woken after the end, the stopped one does not take the time it was stopped for the
+    store's: its group fails, and it is told the run is over."""
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "2")
         run.member("m1", "--min-members", "2", dies=("handshake", 0))
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
         assert re.search(r"member \d+ dropped", run.log("coordinator")), run.log("coordinator")
         assert "generation 2: 1 member(s), from step 0" in run.log("m0"), run.log("m0")
+        time.sleep(max(0.0, 4 * 6 + 2 - (time.time() - os.stat(run.tmp / "m1.log").st_mtime)))   # past 6 x 4 s
+        run.members["m1"].send_signal(signal.SIGCONT)
+        assert run.wait("m1") == [0], run.log("m1")
+        assert "the run is over" in run.log("m1") and "store did not answer" not in run.log("m1"), run.log("m1")
 
 
 def test_a_member_woken_after_its_run_ended_says_so_and_ends_cleanly(uninterrupted, tmp_path):
