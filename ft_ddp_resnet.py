@@ -2,11 +2,11 @@
 
     export FT_SECRET=...                                        # the same on the coordinator and every member
     python ft_ddp_resnet.py --serve HOST:PORT --run-id r1       # the coordinator: trains nothing
-    until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 1 ]; do sleep 1; done
+    until python ft_ddp_resnet.py --join HOST:PORT --out runs/m0 --resume; [ $? -le 2 ]; do sleep 1; done
 
-The last line is a member, restarted until it finishes (0) or fails for good (1): start any, anywhere, any time.
-One that fails leaves with a checkpoint (exit 75) and comes back through that loop (rejoining in place saves little:
-benchmarks/README.md); all do if the coordinator is lost. Read in the order things happen: the step, the member, the
+The last line is a member, restarted until it finishes (0) or fails for good (1; 2: a wrong flag): start any,
+anywhere, any time. One that fails leaves with a checkpoint (exit 75) and comes back through that loop (rejoining in
+place saved little); all do if the coordinator is lost. Read in the order things happen: the step, the member, the
 coordinator, the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, hmac, ipaddress, json, math, os
@@ -34,14 +34,14 @@ def gradients_of(net):   # one flat float32 tensor that every .grad is a view in
         p.grad = piece.view_as(p)
     return flat
 
-def compute(net, grads, message, X, y, micro_batch, mine):
-    """This member's micro-batches of (X, y), each one's mean-loss gradient added into the message: float64 holds
+def compute(net, grads, flat_sums, X, y, micro_batch, mine):
+    """This member's micro-batches of (X, y), each one's mean-loss gradient added into flat_sums: float64 holds
     the exact sum of float32 values (unless their magnitudes differ by more than ~2^25; the float32 result then still
     agrees but for a ~2^-29 chance), whoever computes which, in any order. Returns [loss sum, hits, samples]."""
-    totals = torch.zeros(3, dtype=message.dtype)
+    totals = torch.zeros(3, dtype=flat_sums.dtype)
     norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     momentum = [norm.momentum for norm in norms]
-    message[len(grads) if mine else 0:].zero_()   # what no micro-batch overwrites (with none, all: zeros are sent)
+    flat_sums[len(grads) if mine else 0:].zero_()   # what no micro-batch overwrites (with none, all: zeros are sent)
     for i in mine:
         for norm, usual in zip(norms, momentum):
             norm.momentum = usual if i == 0 else 0.0   # FT: running statistics from micro-batch 0 only
@@ -51,9 +51,9 @@ def compute(net, grads, message, X, y, micro_batch, mine):
         loss = F.cross_entropy(logits, y_micro)
         loss.backward()
         if i == mine[0]:   # FT: each micro-batch's gradient on its own, added exactly (the first copied: float32
-            message[:len(grads)].copy_(grads)   # added into float64 takes 7x a copy's time)
+            flat_sums[:len(grads)].copy_(grads)   # added into float64 takes 7x a copy's time)
         else:
-            message[:len(grads)] += grads
+            flat_sums[:len(grads)] += grads
         hits = (logits.argmax(1) == y_micro).sum().double()
         totals += torch.stack([loss.detach().double() * len(y_micro), hits, torch.ones_like(hits) * len(y_micro)])
     for norm, usual in zip(norms, momentum):   # as they were, for whoever uses the net next
@@ -63,24 +63,24 @@ def compute(net, grads, message, X, y, micro_batch, mine):
 def failure(error, started):   # what a vote says of a collective that failed, and how long it waited
     return {"error": " ".join(str(error).split()).split("] ", 1)[-1][:160], "waited": time.monotonic() - started}
 
-def exchange(net, grads, message, totals, holds_first, count):
+def exchange(net, grads, flat_sums, totals, holds_first, count):
     """One allreduce: gradients, micro-batch 0's running statistics (others send zeros), loss sums; then .grad is
-    the sum over `count` micro-batches, rounded once to float32. ([loss, hits, samples] or None, the failure)"""
+    the mean over all `count` micro-batches, rounded once to float32. ([loss, hits, samples] or None, the failure)"""
     stats = list(statistics_of(net).values())
-    tail = message[len(grads):].split([b.numel() for b in stats] + [3])
+    tail = flat_sums[len(grads):].split([b.numel() for b in stats] + [3])
     if holds_first:
         for piece, b in zip(tail, stats):
             piece.copy_(b.flatten())
     tail[-1].copy_(totals)
     started = time.monotonic()
     try:
-        dist.all_reduce(message)   # FT: on this generation's group
+        dist.all_reduce(flat_sums)   # FT: on this generation's group
     except (RuntimeError, dist.DistError) as e:   # its group goes: a peer still in it fails now, not at the timeout
         dist.destroy_process_group()   # FT: (in gloo's ring a death fails only its neighbours at once)
         return None, failure(e, started)
     for piece, b in zip(tail, stats):
         b.copy_(piece.view_as(b))
-    grads.copy_(message[:len(grads)].div_(count))   # (in place: no 90 MB temporary)
+    grads.copy_(flat_sums[:len(grads)].div_(count))   # (in place: no 90 MB temporary)
     return tail[-1].clone(), None
 
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "samples", "samples_per_s", "seconds")
@@ -120,7 +120,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
     def __init__(self, args):
         self.args = args
         self.secret = the_secret(args.join[0])
-        self.device = common.pick_device("gloo", cuda=False)   # FT: gloo between CPUs; see the README on GPUs
+        self.device = common.pick_device("gloo", cuda=False)   # FT: gloo between CPUs: this script trains on CPUs
         train_set, self.test_set, _ = common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
         self.X_train, self.y_train = train_set.tensors
         if args.batch_size % args.micro_batch:
@@ -138,7 +138,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
             self.optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
         self.grads = gradients_of(self.net)
         size = len(self.grads) + sum(b.numel() for b in statistics_of(self.net).values()) + 3   # and 3 loss sums
-        self.message = torch.zeros(size, dtype=getattr(torch, args.sums))   # what a step's allreduce sends
+        self.flat_sums = torch.zeros(size, dtype=getattr(torch, args.sums))   # what a step's allreduce sends
         self.metrics = common.new_metrics(__file__, args, [self.device], "gloo, members that come and go", 1,
                                           len(self.test_set))
         self.progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
@@ -180,9 +180,9 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
                 mine = range(self.count * quorum["rank"] // quorum["world"],   # FT: this member's share
                              self.count * (quorum["rank"] + 1) // quorum["world"])
                 self.net.train()
-                totals = compute(self.net, self.grads, self.message, self.X_train[idx], self.y_train[idx],
+                totals = compute(self.net, self.grads, self.flat_sums, self.X_train[idx], self.y_train[idx],
                                  self.args.micro_batch, mine)
-                step_totals, problem = exchange(self.net, self.grads, self.message, totals, 0 in mine, self.count)
+                step_totals, problem = exchange(self.net, self.grads, self.flat_sums, totals, 0 in mine, self.count)
             # FT: all apply the step, or none; "next": this member asks for the next step's quorum too
             verdict = self.ask_coordinator({"op": "vote", "step": step, "ok": problem is None,
                                             "next": not self.stop["signal"], **(problem or {"error": "", "waited": 0})})
@@ -192,7 +192,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
                 for name, b in statistics_of(self.net).items():
                     b.copy_(self.committed_statistics[name])
         self.metrics.update(generations=self.generations, epochs=self.progress["history"])
-        sent = {"all_reduce (the members)": common.nbytes(self.message)} if self.generations else {}
+        sent = {"all_reduce (the members)": common.nbytes(self.flat_sums)} if self.generations else {}
         common.finish(self.metrics, self.progress["step"], sum(e["seconds"] for e in self.metrics["epochs"]),
                       self.net.state_dict(), sent)
         if dist.is_initialized():   # FT: leave the last group
@@ -274,9 +274,9 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
     def join(self):
         """FT: both prove FT_SECRET; admitted, this member learns its id, the run's, the timeout, the store's port."""
         host, port = self.args.join
-        self.link = CoordinatorLink(self.args.join, self.args.init_timeout, self.stop)
         mine = secrets.token_hex(16)
         try:
+            self.link = CoordinatorLink(self.args.join, self.args.init_timeout, self.stop)
             challenge = str(self.link.receive().get("challenge"))
             answer = self.link.ask({"op": "join", "proof": proof(self.secret, challenge), "challenge": mine,
                                     "flags": self.flags, "step": self.progress["step"], "run": self.run_id})
@@ -284,14 +284,13 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
             self.leave(str(e), common.PREEMPTED)
         except (ValueError, TypeError, AttributeError):   # not JSON, or not an object: no coordinator of this run
             answer = {}
-        if not hmac.compare_digest(str(answer.get("proof")), proof(self.secret, mine)):   # FT: one of this run
+        if not hmac.compare_digest(str(answer.get("proof")).encode(), proof(self.secret, mine).encode()):
             raise SystemExit(f"error: {host}:{port} refused this member or does not know FT_SECRET: give the "
                              f"coordinator and every member the same FT_SECRET")
         self.heed(answer)
         self.name = f"member {answer['id']}"
         self.run_id = answer["run"]
-        self.timeout = answer["timeout"]
-        self.link.timeout = answer["timeout"]
+        self.timeout = self.link.timeout = answer["timeout"]   # FT: the run's, for every wait
         self.store = dist.TCPStore(host, answer["store"], timeout=timedelta(seconds=self.timeout))   # FT: groups
         print(f"{self.name}: joined run {self.run_id} at {host}:{port}, at step {self.progress['step']}", flush=True)
 
@@ -402,7 +401,8 @@ def admit(run, run_id, flags, checkpoint_run):
     if checkpoint_run not in (None, run_id):
         return "refused", (f"error: its checkpoint is of run {checkpoint_run}, and this coordinator serves run "
                            f"{run_id}: start it without --resume, or serve that run (--run-id {checkpoint_run})")
-    differ = [k for k, v in run.flags.items() if flags.get(k) != v and k != "min_members"]   # (the first quorum's)
+    differ = [k for k, v in (run.flags or {}).items()   # (none: it is the first live member)
+              if flags.get(k) != v and k != "min_members"]   # (min_members: only the first quorum's)
     if differ:
         said = "; ".join(f"{k} {flags.get(k)} here, {run.flags[k]} in the run" for k in differ)
         remedy = " and ".join(sorted({NOT_FLAGS.get(k, "training flags") for k in differ}))
@@ -510,20 +510,21 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
     def join(self, c, message):   # a connection that proves it knows FT_SECRET joins, if admitted
         if message["op"] != "join":
             raise ValueError(f"{message['op']} before proving FT_SECRET")
-        if not hmac.compare_digest(message["proof"], proof(self.secret, c.challenge)):
+        if not hmac.compare_digest(message["proof"].encode(), proof(self.secret, c.challenge).encode()):   # any text
             self.send(c, {"refused": "FT_SECRET"})   # (said: the member does not take it for a lost link)
             raise ValueError("it does not know FT_SECRET")
         flags = message["flags"]
         if not all(isinstance(flags.get(k), (int, float)) for k in ("min_members", "final_step")):
             raise ValueError("join with unusable flags")
         if not any(c.joined and not c.dropped and not c.lost for c in self.connections.values()):
-            self.run.flags = flags   # FT: the run's flags are those of its live members (or who comes back)
+            self.run.flags = None   # FT: the run's flags are its live members'; with none, the next admitted's
         verdict, why = admit(self.run, self.run_id, flags, message["run"])
         answer = {"proof": proof(self.secret, message["challenge"]), verdict: why}   # FT: it proves it too
         if verdict == "joined":   # it asks for its first quorum at once
             c.joined = True
             c.since = time.monotonic()
             c.request = {"op": "ready", "step": message["step"]}
+            self.run.flags = self.run.flags or flags
             print(f"coordinator: member {c.id} joined from {c.peer} at step {message['step']}", flush=True)
             answer.update(id=c.id, run=self.run_id, store=self.store_port, timeout=self.timeout)
         else:
@@ -663,8 +664,7 @@ class CoordinatorLink:   # a member's line to the coordinator, which beats each 
                     raise SystemExit(f"error: no coordinator at {address[0]}:{address[1]} within {init_timeout:g} s "
                                  f"({e.strerror or e}): start one with --serve {address[0]}:{address[1]}") from None
                 time.sleep(0.2)
-        # Small messages leave at once (Nagle's algorithm would wait for an acknowledgement, up to 40 ms).
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # small messages leave at once (no Nagle)
 
     def ask(self, message):
         try:
@@ -723,8 +723,7 @@ def parse_args(argv=None):   # a member's flags, or with --serve the coordinator
     p.add_argument("--lr", type=common.positive_float, default=0.05, help="learning rate for 256 samples, scaled")
     p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch order")
-    p.add_argument("--data-dir", help="a folder holding Fashion-MNIST (FashionMNIST/raw/); default ./data, "
-                                      "downloaded there")
+    p.add_argument("--data-dir", help="a folder holding FashionMNIST/raw/ (default: ./data, downloaded there)")
     p.add_argument("--train-samples", type=common.positive_int, help="use only the first N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="use only the first N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")

@@ -735,6 +735,43 @@ def test_a_member_joins_with_the_runs_flags_and_is_told_what_to_match_otherwise(
         "over", "the run is over: its members finished step 6")
 
 
+
+def coordinator_without_sockets():   # its decisions and its wire, on a socket pair: no port, no store
+    coordinator = object.__new__(ft.Coordinator)
+    coordinator.secret, coordinator.run_id, coordinator.timeout, coordinator.store_port = b"secret", "r1", 4.0, 1
+    coordinator.connections, coordinator.run = {}, ft.Run()
+    return coordinator
+
+
+def joins(coordinator, i, proof, flags=FLAGS, run=None):   # connection i sends a join; what it is answered
+    import socket
+    ours, theirs = socket.socketpair()
+    c = coordinator.connections[i] = ft.Connection(i, f"127.0.0.1:{5000 + i}", 0.0, f"challenge {i}", ours)
+    theirs.sendall(json.dumps({"op": "join", "proof": proof, "challenge": "mine", "flags": flags, "step": 0,
+                               "run": run}).encode() + b"\n")
+    coordinator.read(c)
+    return c, json.loads(theirs.recv(65536).split(b"\n")[0])
+
+
+def test_a_stranger_ends_only_its_own_connection_and_a_refused_member_sets_nothing_of_the_run():
+    coordinator = coordinator_without_sockets()
+    stranger, answer = joins(coordinator, 0, "\u00e9" * 64)   # not ASCII: hmac's compare would raise on it as text
+    assert answer == {"refused": "FT_SECRET"} and stranger.lost == "refused: it does not know FT_SECRET"
+    other_run, answer = joins(coordinator, 1, ft.proof(b"secret", "challenge 1"), {**FLAGS, "batch_size": 32}, "r0")
+    assert answer["refused"].startswith("error: its checkpoint is of run r0") and coordinator.run.flags is None
+    member_, answer = joins(coordinator, 2, ft.proof(b"secret", "challenge 2"))   # the run's flags: the first admitted's
+    assert member_.joined and answer["id"] == 2 and coordinator.run.flags == FLAGS
+
+
+def test_a_member_stopped_before_its_coordinator_answers_leaves_with_75():
+    import argparse
+    member_ = object.__new__(ft.Member)
+    member_.args = argparse.Namespace(join=("127.0.0.1", free_port()), init_timeout=30.0)   # no one listens there
+    member_.stop = {"signal": "SIGTERM", "at": 0.0}
+    member_.leave = lambda why, status: sys.exit(f"{status}: {why}")   # the checkpoint aside
+    with pytest.raises(SystemExit, match="^75: stopped by SIGTERM while it waited for 127.0.0.1:"):
+        member_.join()
+
 def test_the_coordinator_ends_once_the_run_is_over_and_waits_for_a_dropped_member_to_be_told():
     run = ft.Run(step=6, finished=100.0)
     assert ft.run_over(101.0, ft.Run(), [], timeout=4)[0] is False   # not finished: members may still come
