@@ -141,7 +141,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
         self.flat_sums = torch.zeros(size, dtype=getattr(torch, args.sums))   # what a step's allreduce sends
         self.metrics = common.new_metrics(__file__, args, [self.device], "gloo, members that come and go", 1,
                                           len(self.test_set))
-        self.progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}
+        self.progress = {"step": 0, "totals": [0.0] * 3, "history": [], "seconds": 0.0}   # totals, seconds: the epoch's
         self.flags = {**{k: getattr(args, k) for k in SAME_IN_EVERY_MEMBER}, "final_step": self.final_step,
                       "min_members": args.min_members, "torch": torch.__version__, "threads": torch.get_num_threads(),
                       "data": f"labels crc {zlib.crc32(self.y_train.numpy().tobytes())}"}
@@ -338,7 +338,7 @@ class Connection:   # one connection to the coordinator
     sock: socket.socket = None
     buffer: bytes = b""   # what came of a line not yet ended
     joined: bool = False   # it proved FT_SECRET and was let in: a member
-    request: dict = None   # what it waits for: a "ready" (a quorum) or a "vote" (the verdict)
+    request: dict = None   # what it waits for: "ready", a quorum (its join or vote's "next" asked), or a "vote"
     dropped: str = None   # why it was dropped: it is told when it next speaks
     lost: str = None   # why it is closed at the end of this turn
 
