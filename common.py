@@ -1,26 +1,22 @@
-"""What the scripts share and is not their lesson: the device and the group, the data's loaders, accuracy over all
-ranks, a stop all ranks agree on, atomic writes and the resume's checks, the outputs."""
+"""What the scripts share that is not their lesson: the group, the loaders, accuracy, the stop, writes, outputs."""
 import argparse, atexit, contextlib, gc, glob, hashlib, json, math, multiprocessing, os, pathlib, signal, sys, time
 import traceback
 import torch
 import torch.distributed as dist
-import torch.distributed.nn   # noqa: F401  before any group exists: imported later (as DDP, torch.compile and
-# torchvision do), its functions keep that group as a default argument, alive past destroy_process_group: at the
-# interpreter's exit gloo's threads could then abort the process
+import torch.distributed.nn   # noqa: F401  before any group: imported after one (as DDP, torch.compile, torchvision
+# do), its functions keep it as a default argument past destroy_process_group, and gloo's threads abort the exit
 from torch.distributed.rendezvous import rendezvous
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
 from matplotlib.ticker import MaxNLocator
 
 # ---------------------------------------------------------------- the device and the group
-def default_to_one_process():
-    """Run by plain `python script.py` (no launcher): a group of one on this machine, on any free port."""
+def default_to_one_process():   # no launcher: a group of one, on any free port
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT="0")
 
 def pick_device(backend, gpus_each=1, cuda=None):
-    """GPU LOCAL_RANK x gpus_each (NCCL refuses two processes on one GPU, gloo lets them share), else the CPU."""
     here, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if not cuda:
@@ -44,39 +40,35 @@ def attempt_store():
 
 @contextlib.contextmanager
 def leaving_the_group():
-    """The group ends with the run, a stop or an error (one alive at the interpreter's exit can abort it)."""
     try:
         yield
     except BaseException as e:   # its frames hold the DDP wrap: freed after the group, it could hang (torch 2.9)
         traceback.clear_frames(e.__traceback__)
         raise
-    finally:
+    finally:   # a group alive at the interpreter's exit can abort it
         if dist.is_initialized():
             gc.collect()   # the group's last users first: a DDP wrap is a cycle of references, freed only by gc
             dist.destroy_process_group()
 
 def every_rank(value, world_size):   # [rank 0's value, rank 1's, ...]
-    values = [value] * world_size
-    if world_size > 1:
-        dist.all_gather_object(values, value)
+    values = [None] * world_size
+    dist.all_gather_object(values, value)
     return values
 
 def load_on_every_rank(load, world_size):
     """load() on each node's first process, then on its others (a download happens once a node). A refusal
     (SystemExit) on any rank ends every rank at once: that rank says why."""
-    loaded = None
+    loaded = problem = None
     for first in (True, False):
-        problem = None
         if (os.environ.get("LOCAL_RANK", "0") == "0") == first:
             try:
                 loaded = load()
             except SystemExit as e:
                 problem = e.code
         problems = every_rank(problem, world_size)
-        if problem:
-            raise SystemExit(problem)
         if any(problems):
-            sys.exit(f"stopping: rank {[bool(p) for p in problems].index(True)} cannot go on (its line says why)")
+            failed = [bool(p) for p in problems].index(True)
+            sys.exit(problem or f"stopping: rank {failed} cannot go on (its line says why)")
     return loaded
 
 # ---------------------------------------------------------------- data: Fashion-MNIST, images, batches
@@ -99,10 +91,9 @@ def fashion_mnist(data_dir=None, train_samples=None, test_samples=None):
             data = FashionMNIST(data_dir or "data", train=train, download=not data_dir)
         except Exception as e:
             sys.exit(f"error: cannot read Fashion-MNIST in {os.path.abspath(raw)} ({' '.join(str(e).split())[:200]})."
-                     f" Do one of:"
-                     f"\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks dataset-fashion-mnist there)\n- on "
-                     f"a machine with internet: python -c \"import torchvision; torchvision.datasets.FashionMNIST("
-                     f"'data', download=True)\", then copy data/ here")
+                     f" Do one of:\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks dataset-fashion-mnist"
+                     f" there)\n- on a machine with internet: python -c \"import torchvision; torchvision.datasets."
+                     f"FashionMNIST('data', download=True)\", then copy data/ here")
         images = (data.data[:n].float() / 255 - MEAN) / STD
         sets.append(TensorDataset(images.unsqueeze(1), data.targets[:n]))
     if int(os.environ.get("RANK", 0)) == 0:
@@ -118,8 +109,6 @@ def read_image(path, mode=None):   # in `mode`, else gray or RGB as it is; PIL's
         raise RuntimeError(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): replace or remove it")
 
 def check_batch(global_batch, world_size, train_samples, rank, asked=None):
-    """The per-rank batch, or a refusal by rank 0; a note if the data has more samples than --train-samples asked
-    for (a datasets() of your own may not apply it)."""
     if asked and train_samples > asked and rank == 0:
         print(f"note: datasets() gave {train_samples} training samples: it does not apply --train-samples {asked}",
               flush=True)
@@ -159,10 +148,11 @@ class ResumableSampler(DistributedSampler):
     def __len__(self):
         return super().__len__() - self.start * self.rank_batch
 
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]   # Windows: no USR1
+
 def ignore_stop_signals(worker_id):   # SLURM signals every process: the rank decides, and ends its workers
-    for name in ("SIGTERM", "SIGUSR1"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 @atexit.register
 def kill_workers():   # they ignore SIGTERM, which multiprocessing would send them at exit, then wait for ever
@@ -183,8 +173,7 @@ def loader(dataset, batches, device, workers=0, **options):
                       worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
 
 def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
-    """(loader, sampler): this rank's 1/W of every global batch; sampler.set_epoch(epoch, start) each epoch. Any
-    Dataset other than tensors in memory draws its random numbers from (seed, epoch, index)."""
+    """(loader, sampler): this rank's 1/W of every global batch; call sampler.set_epoch(epoch, start) each epoch."""
     if not isinstance(dataset, TensorDataset):
         dataset = Seeded(dataset, seed)
     sampler = ResumableSampler(dataset, global_batch // world_size, rank, world_size, seed)
@@ -213,10 +202,9 @@ def accuracy(predict, batches, device, world_size):
 
 # ---------------------------------------------------------------- the model and the recipe
 def resnet(arch, classes, seed, channels=3, image_size=224):
-    """A torchvision ResNet for `channels`-channel images. Up to 64x64 pixels: a 3x3 stride-1 stem and no
-    max-pool (torchvision's shrink 32x32 to 8x8 at once). The seed gives every rank the same weights."""
+    """Up to 64x64 pixels: a 3x3 stride-1 stem and no max-pool (torchvision's shrink 32x32 to 8x8 at once)."""
     import torchvision
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)   # every rank the same weights
     net = torchvision.models.get_model(arch, num_classes=classes)
     small = image_size <= 64
     if small or channels != 3:
@@ -251,9 +239,8 @@ class StopSignal:
     def __init__(self):
         StopSignal.noted = 0
         self.group = dist.new_group(backend="gloo")
-        for name in ("SIGTERM", "SIGUSR1"):
-            if hasattr(signal, name):   # Windows has no SIGUSR1
-                signal.signal(getattr(signal, name), StopSignal.note)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, StopSignal.note)
     @staticmethod
     def note(signum, frame):
         StopSignal.noted = signum
@@ -286,12 +273,11 @@ def save_atomically(write, path):
         raise
     sync(os.path.dirname(os.path.abspath(path)))
 
-# what does not change the batches or the steps; "BatchNorm's batch" changes them a little, and is said
+# flags that do not change the batches or the steps (others are refused); "BatchNorm's batch" changes them a little
 MAY_DIFFER = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "workers", "data_dir",
               "test_samples", "compile", "channels_last", "accum_steps", "backend", "BatchNorm's batch")
 
 def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
-    """Other training flags than the checkpoint's are refused: they would go on with other batches or schedule."""
     differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in here.items()
               if k not in may_differ and saved.get(k) != v]
     if differ:
@@ -299,7 +285,6 @@ def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
                  f"use the same, or start without --resume" if master else 1)
 
 def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
-    """Where a checkpoint of the same flags goes on, said in one line; None when nothing is left to train."""
     resume_check(saved["flags"], flags, path, master)
     position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
     if position["step"] >= final_step:
@@ -357,7 +342,6 @@ def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):   # totals
               f"{test_acc:.4f}  {line['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
 
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
-    """metrics.json, model.pt, curves.png and the closing line (rank 0); sent_per_step: bytes by collective."""
     by = {k: round(v) for k, v in sent_per_step.items()}
     epochs, out = metrics["epochs"], metrics["config"]["out"]
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,
@@ -379,7 +363,6 @@ def finish(metrics, steps, seconds, state_dict, sent_per_step):
     fig.tight_layout()
     save_atomically(lambda tmp: fig.savefig(tmp, format="png", dpi=100), f"{out}/curves.png")
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))} "
-          f"({metrics['backend']}, {metrics['layout']}): test acc {metrics['test_acc']:.4f} on "
-          f"{metrics['test_samples']} test samples, {metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
-          f"{metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step and rank; "
-          f"wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)
+          f"({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
+          f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, {metrics['sent_bytes_per_step'] / 1e6:.3g} MB "
+          f"to collectives per step and rank; wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)

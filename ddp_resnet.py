@@ -16,7 +16,6 @@ Copy it with common.py. Lines that exist only because of DDP are tagged `# DDP:`
 import argparse, contextlib, functools, math, os, sys, time, warnings
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -30,8 +29,7 @@ import common
 def datasets(args):
     """(training set, test set, number of classes): replace this body with your own Datasets. Any whose items
     are (image tensor [C, H, W], label) will do: the model is made for their images' shape, and the loader
-    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact. Here: Fashion-MNIST,
-    or your images when --data-dir holds train/ and val/, one subfolder per class (torchvision's ImageFolder)."""
+    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact."""
     if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
         return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     folders = []
@@ -61,8 +59,7 @@ def datasets(args):
     return parts[0], parts[1], len(train.classes)
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, net, optimizer, scheduler, position, flags, history):
-    """Everything a restarted job needs to go on exactly where this one was, written atomically."""
+def save_checkpoint(path, net, optimizer, scheduler, flags, history, **position):
     state = {**position, "flags": flags, "history": history, "model": net.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     common.save_atomically(lambda tmp: torch.save(state, tmp), path)
@@ -97,9 +94,8 @@ def wrap(net, args, device, backend, resumed, master):
     --comm-hook replaces each bucket's allreduce with one of PyTorch's (set before the first backward): bf16/fp16
     cast down and back (half the bytes); PowerSGD (Vogels et al. 2019) sends each gradient matrix as two rank-R
     factors, with error feedback and warm start, kept per bucket (on gloo one bucket: gloo may run several
-    buckets' factors in other orders on other ranks). Returns (the wrap, the model to call, PowerSGD's state)."""
+    buckets' factors in other orders on other ranks)."""
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
-    # the gradients are views into DDP's buckets: no copy between them each way
     ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
                     gradient_as_bucket_view=True, bucket_cap_mb=1e6 if one_bucket else None)
     # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
@@ -118,8 +114,7 @@ def wrap(net, args, device, backend, resumed, master):
     return ddp_model, torch.compile(ddp_model) if args.compile else ddp_model, powersgd
 
 def bytes_sent_per_step(net, args, powersgd, steps, world_size):
-    """What each rank hands to allreduce per step of this run: every gradient (DDP allreduces each once a step),
-    in 16 bits with a 16-bit hook; PowerSGD counts the elements of its compressed steps itself."""
+    """What each rank hands to allreduce per step: every gradient once; PowerSGD counts its compressed steps'."""
     sent = common.nbytes(*net.parameters())
     if args.comm_hook in ("bf16", "fp16"):
         sent //= 2
@@ -130,8 +125,7 @@ def bytes_sent_per_step(net, args, powersgd, steps, world_size):
 
 # ---------------------------------------------------------------- one optimizer step
 def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
-    """Forward and backward in accum_steps micro-batches, then one optimizer step; adds the summed loss, the hits
-    and the samples to `totals` (on the device: no sync with the GPU)."""
+    """Forward and backward in accum_steps micro-batches, one optimizer step; sums kept on the device (no GPU sync)."""
     optimizer.zero_grad(set_to_none=True)
     for i in range(accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of accum_steps takes them
         X_micro, y_micro = X[i::accum_steps], y[i::accum_steps]
@@ -147,8 +141,7 @@ def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
     optimizer.step()
 
 def end_of_epoch(net, totals, test_batches, device, world_size):
-    """The epoch's sums over all ranks; rank 0's BatchNorm statistics on all, those model.pt holds (DDP sends them
-    before each forward, and each rank's last forward updated its own); the test accuracy over all ranks."""
+    """Rank 0's BatchNorm statistics on all ranks, as DDP sends them before a forward (the last updated each rank's)."""
     dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
     for buffer in net.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
@@ -186,7 +179,7 @@ def train(args):
 
     net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1])
     if args.sync_bn and device.type == "cuda":
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
+        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
     elif args.sync_bn and master:
         print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU): per-rank BatchNorm", flush=True)
     net = net.to(device, memory_format=memory_format)
@@ -210,9 +203,8 @@ def train(args):
         partial = totals.clone()
         dist.all_reduce(partial)   # DDP: every rank's sums so far in this epoch
         if master:
-            here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
-                    "seconds": seconds}
-            save_checkpoint(args.checkpoint, net, optimizer, scheduler, here, flags, metrics["epochs"])
+            save_checkpoint(args.checkpoint, net, optimizer, scheduler, flags, metrics["epochs"], epoch=epoch,
+                            batch_in_epoch=batch_in_epoch, step=step, totals=partial.tolist(), seconds=seconds)
             print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
         dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
     ddp_model, model, powersgd = wrap(net, args, device, backend, state is not None, master)   # DDP: the wrap
@@ -263,26 +255,21 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
-    p.add_argument("--lr", type=common.positive_float, default=0.05,
-                   help="learning rate for 256 samples, scaled linearly with the global batch")
+    p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
     p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
                    help="raise the learning rate linearly from ~0 over these epochs (5 for batches of 8k)")
-    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
-                   help="on convolution and linear weights (none on BatchNorm and biases)")
+    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
                    "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
     p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
-    p.add_argument("--image-size", type=common.positive_int, default=224,
-                   help="image folders: resized and cropped to this")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader workers (not for data "
-                   "held in memory)")
+    p.add_argument("--image-size", type=common.positive_int, default=224, help="image folders: resized, cropped to it")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader's (not for data in memory)")
     p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
     p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--accum-steps", type=common.positive_int, default=1,
-                   help="split each rank's batch into this many micro-batches (gradient accumulation)")
+    p.add_argument("--accum-steps", type=common.positive_int, default=1, help="micro-batches per rank's batch")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")

@@ -313,20 +313,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
-    p.add_argument("--lr", type=common.positive_float, default=0.05,
-                   help="learning rate for 256 samples, scaled linearly with the global batch")
+    p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
     p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
                    help="raise the learning rate linearly from ~0 over these epochs")
-    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
-                   help="on convolution and linear weights (none on BatchNorm and biases)")
+    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
                    "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
     p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
-    p.add_argument("--image-size", type=common.positive_int, default=224,
-                   help="image folders: resized and cropped to this")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader workers (not for data "
-                   "held in memory)")
+    p.add_argument("--image-size", type=common.positive_int, default=224, help="image folders: resized, cropped to it")
+    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader's (not for data in memory)")
     p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
     p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
