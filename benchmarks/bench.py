@@ -6,9 +6,10 @@ Each of our scripts runs twice, for W and for W+N optimizer steps, and the rate 
 the difference of the two training times: start-up, data loading and the first (warm-up) steps
 cancel out. The d2l originals (benchmarks/original_*.py) time N steps after W themselves. The
 approaches take turns, round after round, and each figure is the median of its rounds; ratios are
-to the single-device run of the same model.
+to the single-device run of the same model. Draws the step times side by side in benchmarks/bench.png
+and writes runs/bench/bench.json.
 """
-import gzip, json, os, platform, shutil, statistics, subprocess, sys, tempfile
+import json, os, platform, statistics, subprocess, sys, time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,26 +30,15 @@ def ours(command, batch, warmup, steps):
         seconds.append(json.load(open(os.path.join(out, "metrics.json")))["epochs"][-1]["seconds"])
     return steps * batch / (seconds[-1] - seconds[-2])
 
-def original(script, batch, warmup, steps, torchvision_root):
+def original(script, batch, warmup, steps):
     """Steady-state samples/s of a d2l original, which times itself after its warm-up."""
-    result = subprocess.run(PY + [os.path.join("benchmarks", script), "--data-dir", torchvision_root,
+    result = subprocess.run(PY + [os.path.join("benchmarks", script), "--data-dir", DATA,
                                   "--batch-size", str(batch), "--warmup", str(warmup), "--steps", str(steps)],
                             cwd=ROOT, check=True, capture_output=True, text=True, env=ENV)
     return json.loads(result.stdout.splitlines()[-1])["samples_per_s"]
 
 # torchrun gives each of its workers 1 thread; a single process gets every core.
 ENV = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-
-def torchvision_layout():
-    """The originals read through torchvision's dataset class, which wants unpacked files."""
-    root = tempfile.mkdtemp(prefix="fmnist-")
-    raw = os.path.join(root, "FashionMNIST", "raw")
-    os.makedirs(raw)
-    for name in os.listdir(DATA):
-        if name.endswith(".gz"):
-            with gzip.open(os.path.join(DATA, name)) as src, open(os.path.join(raw, name[:-3]), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-    return root
 
 def machine():
     if torch.cuda.is_available():
@@ -61,7 +51,6 @@ def machine():
 def main():
     os.makedirs(OUT, exist_ok=True)
     cores, gpus = os.cpu_count(), torch.cuda.device_count()
-    tv_root = torchvision_layout()
     # A GPU runs a LeNet step in a few ms: it needs more steps than a CPU for the difference of
     # two runs to stand out of their start-up noise (an epoch has 234 steps of 256).
     lenet = dict(batch=256, warmup=5, steps=40) if not gpus else dict(batch=256, warmup=30, steps=200)
@@ -89,26 +78,24 @@ def main():
     ]
     if not gpus:   # the d2l originals, as published, for the CPU comparison
         approaches.insert(4, ("LeNet", "d2l original (DataLoader, 2 workers)", "2 x CPU", "-", f"1 x {cores}",
-                              lambda: original("original_lenet.py", torchvision_root=tv_root, **lenet)))
+                              lambda: original("original_lenet.py", **lenet)))
         approaches.append(("ResNet18", "d2l original (DataParallel, DataLoader)", "1 x CPU", "DataParallel",
-                           f"1 x {cores}", lambda: original("original_resnet.py",
-                                                            torchvision_root=tv_root, **resnet)))
+                           f"1 x {cores}", lambda: original("original_resnet.py", **resnet)))
     print(f"benchmark on {machine()}: {ROUNDS} rounds, each approach once per round", flush=True)
     rates = {a[1]: [] for a in approaches}
     for round_ in range(1, ROUNDS + 1):   # interleaved, so a slow minute hits every approach alike
         for model, approach, *_, measure in approaches:
             rates[approach].append(measure())
-            print(f"  round {round_}  {model:8} {approach:42} {rates[approach][-1]:8,.0f} samples/s", flush=True)
-    shutil.rmtree(tv_root)
+            print(f"  round {round_}  {model:8} {approach:45} {rates[approach][-1]:8,.0f} samples/s", flush=True)
     rows = [(model, approach, devices, backend, layout, statistics.median(rates[approach]))
             for model, approach, devices, backend, layout, _ in approaches]
     base = {model: rate for model, approach, *_, rate in reversed(rows) if approach.startswith("single")}
     print(f"\nbenchmark on {machine()}; LeNet batch {lenet['batch']}, ResNet-18 batch {resnet['batch']}")
-    print(f"{'model':9}{'approach':42}{'devices':11}{'backend':14}{'procs x threads':17}{'samples/s':>10}"
+    print(f"{'model':9}{'approach':45}{'devices':11}{'backend':14}{'procs x threads':17}{'samples/s':>10}"
           f"{'ratio':>7}  runs")
     for model, approach, devices, backend, layout, rate in rows:
         runs = "/".join(f"{r:,.0f}" for r in rates[approach])
-        print(f"{model:9}{approach:42}{devices:11}{backend:14}{layout:17}{rate:10,.0f}"
+        print(f"{model:9}{approach:45}{devices:11}{backend:14}{layout:17}{rate:10,.0f}"
               f"{rate / base[model]:7.2f}  {runs}")
     if not gpus:   # our LeNet step against the original's, per sample
         original_rate = statistics.median(rates["d2l original (DataLoader, 2 workers)"])
@@ -118,24 +105,43 @@ def main():
     model_bytes = sum(h["params"] for h in held)   # the shards of all ranks: the model once
     print(f"per rank, parameters + gradients + momentum: DDP {3 * model_bytes / 1e6:.0f} MB (the whole "
           f"model, three times), FSDP2 {sum(held[0].values()) / 1e6:.0f} MB (rank 0's shards, 1/{n})")
+    if n > 1:   # one rank sends nothing
+        handed, ring = {}, {}
+        for script in ("ddp_resnet", "fsdp_resnet"):
+            by_collective = json.load(open(os.path.join(OUT, script, "metrics.json")))["sent_bytes_by_collective"]
+            handed[script], ring[script] = sum(by_collective.values()) / 1e6, ring_bytes(by_collective, n) / 1e6
+        print(f"per step and rank, handed to collectives: DDP {handed['ddp_resnet']:.1f} MB, FSDP2 "
+              f"{handed['fsdp_resnet']:.1f} MB; sent over a ring: DDP {ring['ddp_resnet']:.1f} MB, FSDP2 "
+              f"{ring['fsdp_resnet']:.1f} MB ({ring['fsdp_resnet'] / ring['ddp_resnet']:.2f}x)")
     json.dump({"machine": machine(), "rows": rows, "runs": rates}, open(os.path.join(OUT, "bench.json"), "w"), indent=1)
+    draw(rows, base, {"LeNet": lenet["batch"], "ResNet18": resnet["batch"]})
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
-    labels = [f"{model}: {approach}" for model, approach, *_ in rows]
-    ratios = [rate / base[model] for model, *_, rate in rows]
-    ax.barh(labels[::-1], ratios[::-1], color=["tab:blue" if m == "LeNet" else "tab:orange" for m, *_ in rows][::-1])
-    for y, (ratio, row) in enumerate(zip(ratios[::-1], rows[::-1])):
-        ax.text(ratio, y, f" {ratio:.2f}x ({row[-1]:,.0f}/s)", va="center", fontsize=8)
-    ax.axvline(1, color="gray", lw=0.8)
-    ax.set_xlabel("samples/s relative to one device, same model and global batch")
-    ax.set_title(machine(), fontsize=9)
-    ax.set_xlim(0, max(ratios) * 1.35)
+def ring_bytes(by_collective, n):
+    """What a rank sends over a ring of n for what it hands each collective: an all-reduce 2(n-1)/n of it, a
+    reduce-scatter (n-1)/n, an all-gather its shard to each of the n-1 others."""
+    share = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}
+    return sum(share[name.split()[0]] * nbytes for name, nbytes in by_collective.items())
+
+def draw(rows, base, batch):
+    """A panel per model: each approach's time per step at the model's global batch, our scripts in blue."""
+    from matplotlib.figure import Figure
+    models = list(dict.fromkeys(row[0] for row in rows))
+    fig = Figure(figsize=(9, 0.42 * len(rows) + 2))
+    axes = fig.subplots(len(models), 1, height_ratios=[sum(r[0] == m for r in rows) for m in models])
+    for ax, model in zip(axes, models):
+        mine = [row for row in rows if row[0] == model][::-1]   # the first row on top
+        ms = [1000 * batch[model] / rate for *_, rate in mine]
+        colors = ["tab:gray" if "original" in row[1] else "tab:blue" for row in mine]
+        ax.barh([row[1] for row in mine], ms, color=colors)
+        for y, (t, row) in enumerate(zip(ms, mine)):
+            ax.text(t, y, f" {t:,.0f} ms ({row[-1] / base[model]:.2f}x one device's rate)", va="center", fontsize=8)
+        ax.set_xlim(0, max(ms) * 1.55)
+        ax.set_title(f"{model}, global batch {batch[model]}: time per step (shorter is faster)", fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"{machine()}, {time.strftime('%Y-%m-%d')}: the median of {ROUNDS} rounds", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(ROOT, "runs", "summary.png"), dpi=100)
-    print(f"wrote runs/summary.png and {os.path.relpath(OUT, ROOT)}/bench.json")
+    fig.savefig(os.path.join(ROOT, "benchmarks", "bench.png"), dpi=100)
+    print(f"wrote benchmarks/bench.png and {os.path.relpath(OUT, ROOT)}/bench.json")
 
 if __name__ == "__main__":
     main()
