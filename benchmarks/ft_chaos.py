@@ -74,7 +74,7 @@ def run(args, out, faults):
             loop = f"until {shlex.join(member)}; [ $? -le 1 ]; do sleep 1; done"
             cluster.popen(node, ["bash", "-c", loop], env=cluster.env(**env), stdout=logs[node],
                           stderr=subprocess.STDOUT, cwd=ROOT)
-        start, done, happened = time.time(), [], []
+        start, happened = time.time(), []
         read = lambda node: open(os.path.join(out, f"m{node}.log")).read()
         finished = lambda node: "done:" in read(node) or "nothing is left to train" in read(node)
         # torchft: its quorum needs two replicas, so a replica back after two have finished waits for ever

@@ -3,7 +3,7 @@
 (PyTorch's fault-tolerance library, if installed: `pip install torchft==0.2.0`); and what the quorum
 and the commit cost per step when nothing fails, against ddp_resnet.py at the same global batch.
 
-    python benchmarks/ft_recovery.py [--steps 24] [--kill-at 8]
+    python benchmarks/ft_recovery.py [--steps 24] [--kill-at 10]
 
 Three processes on this machine (one thread each), ResNet-18 for 28x28 images, 8 images each per
 step. Every step's end is stamped with the time (a wrapper around each script, in this file: the
@@ -16,7 +16,7 @@ for a replica whose heartbeat is fresh before a quorum without it: it runs with 
 at its default 5 s and at 0.5 s (replicas beat every 0.1 s). A join timeout of 0.1 s was tried: on 2
 shared cores the live replicas did not all ask within it, and the quorums churned.
 """
-import argparse, json, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
+import argparse, importlib.util, json, os, re, signal, socket, statistics, subprocess, sys, tempfile, time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -212,15 +212,14 @@ def main():
                          ("ddp_resnet.py, one rank SIGKILLed, restart", run_restart, args.kill_at)]
     hang = lambda out, steps, kill_at: run_ft(out, steps, kill_at, how="hang", timeout_s=3)
     runs += [("ft_ddp_resnet.py, one member hung (SIGSTOP), --member-timeout 3", hang, args.kill_at)]
-    try:
-        import torchft   # noqa: F401
+    if importlib.util.find_spec("torchft"):
         quick = lambda out, steps, kill_at: run_torchft(out, steps, kill_at, heartbeat_ms=500)
         hung = lambda out, steps, kill_at: run_torchft(out, steps, kill_at, how="hang", heartbeat_ms=500, timeout_s=3)
         runs += [("torchft 0.2.0, nothing fails", run_torchft, 0),
                  ("torchft 0.2.0, one replica SIGKILLed", run_torchft, args.kill_at),
                  ("torchft 0.2.0, heartbeat timeout 0.5 s, one replica SIGKILLed", quick, args.kill_at),
                  ("torchft 0.2.0, heartbeat timeout 0.5 s, timeout 3 s, one replica hung", hung, args.kill_at)]
-    except ImportError:
+    else:
         print("torchft is not installed (pip install torchft==0.2.0): its rows are left out", flush=True)
     with tempfile.TemporaryDirectory() as out:
         for name, run, kill in runs:

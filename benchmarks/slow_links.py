@@ -12,7 +12,8 @@ alone, no start-up, no evaluation), K1 and K2 steps, over K2 - K1: DDP's first s
 rebuilt) and PowerSGD's plain steps fall in the first K1. Bytes: what each rank handed to
 collectives per step (metrics.json's sent_bytes_per_step, the same difference), and what node 0's
 link carried per step (its eth0 tx_bytes, the same difference), beside that link's bytes / rate: the step's
-time on the wire if nothing overlapped.
+time on the wire if nothing overlapped. With --rounds N each variant runs N times, the variants taking turns: a row
+is its median run, and its ratio to DDP the median of its rounds' ratios to DDP's step of the same round.
 
 Then accuracy at an equal number of samples (`--accuracy-rate`, default 100 Mbit/s): DDP, DDP +
 PowerSGD rank 4 (its default 10 plain steps first) and DiLoCo H = 10 each train 6 epochs of 1,024
@@ -20,7 +21,7 @@ Fashion-MNIST images (96 steps of 64, 6,144 samples), tested on 1,000 after ever
 side by side, and drawn against the training seconds in benchmarks/slow_links_accuracy.png.
 Writes runs/slow_links/results.json.
 """
-import argparse, json, os, socket, subprocess, sys, tempfile
+import argparse, json, os, socket, statistics, subprocess, sys, tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import common, simulated_cluster
@@ -89,6 +90,7 @@ def main(argv=None):
     p.add_argument("--rates", type=int, nargs="+", default=[100], help="link rates, Mbit/s")
     p.add_argument("--only", nargs="+", help="variants whose label starts with one of these")
     p.add_argument("--accuracy-rate", type=int, default=100, help="Mbit/s of the accuracy runs (0: none)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every variant, taking turns; the median is shown")
     args = p.parse_args(argv)
     problem = simulated_cluster.unavailable()
     if problem:
@@ -100,24 +102,26 @@ def main(argv=None):
     print(f"slow links on {os.cpu_count()} cores: ResNet-18, global batch 64, 2 simulated nodes; a step's time = "
           f"the difference of two runs' training seconds over their difference in steps", flush=True)
     for rate in args.rates:
-        print(f"\n{rate} Mbit/s per node link{'':27}s/step   MB handed/step (rank)   MB over node 0's link/step   "
-              f"link MB/rate (s)", flush=True)
-        for label, script, flags, procs, (k1, k2) in variants:
-            if rate <= 10 and "PowerSGD" not in label and "DiLoCo" not in label:
-                k1, k2 = 1, 3   # a minute a step or more: the difference of 2 steps
-            r = results.setdefault(label, {})[rate] = measure(script, flags, procs, rate, k1, k2)
+        print(f"\n{rate} Mbit/s per node link{'':27}s/step   x DDP   MB handed/step (rank)   "
+              f"MB over node 0's link/step   link MB/rate (s)", flush=True)
+        runs = {label: [] for label, *_ in variants}
+        for round_ in range(1, args.rounds + 1):   # in turn, so a slow minute hits every variant alike
+            for label, script, flags, procs, (k1, k2) in variants:
+                if rate <= 10 and "PowerSGD" not in label and "DiLoCo" not in label:
+                    k1, k2 = 1, 3   # a minute a step or more: the difference of 2 steps
+                runs[label].append(measure(script, flags, procs, rate, k1, k2))
+                if args.rounds > 1:
+                    print(f"  round {round_}  {label:42}{runs[label][-1]['step_s']:7.2f}", flush=True)
+        for label, *_ in variants:   # the round with the median step, every round's steps beside it
+            r = sorted(runs[label], key=lambda run: run["step_s"])[(args.rounds - 1) // 2]
+            r["step_s_rounds"] = [run["step_s"] for run in runs[label]]
+            if "DDP" in runs:   # over DDP's step of the same round, the median of the rounds
+                r["x_ddp"] = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(runs[label], runs["DDP"]))
+            results.setdefault(label, {})[rate] = r
             wire_s = r["link_bytes_per_step"] * 8 / (rate * 1e6)
-            print(f"  {label:50}{r['step_s']:7.2f}{r['sent_bytes_per_step'] / 1e6:17.2f}"
-                  f"{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}", flush=True)
-        ddp = results["DDP"][rate] if "DDP" in results else None
-        if ddp:
-            ratios = []
-            for label, *_ in variants:
-                if label != "DDP":
-                    mine = results[label][rate]
-                    ratios.append(f"{label} {mine['step_s'] / ddp['step_s']:.2f}x time, "
-                                  f"{mine['sent_bytes_per_step'] / ddp['sent_bytes_per_step']:.3f}x bytes")
-            print("  against DDP: " + ", ".join(ratios), flush=True)
+            print(f"  {label:50}{r['step_s']:7.2f}{r.get('x_ddp', float('nan')):8.2f}"
+                  f"{r['sent_bytes_per_step'] / 1e6:17.2f}{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}",
+                  flush=True)
         json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
     if args.accuracy_rate:
         accuracy(results, args.accuracy_rate)
