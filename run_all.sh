@@ -2,7 +2,7 @@
 # bash run_all.sh         set up what is missing, then a short run of every script and a table
 # bash run_all.sh test    set up what is missing, then the whole test suite (test_scripts.py and tests/)
 # bash run_all.sh test quick   the same set-up, then test_scripts.py alone: every script's proofs
-# bash run_all.sh bench   set up what is missing, then the side-by-side benchmark (a few minutes)
+# bash run_all.sh bench   set up what is missing, then the side-by-side benchmark (10-15 min, 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")"
 mode=${1:-smoke}

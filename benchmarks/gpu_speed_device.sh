@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine: gpu_speed.py's table, then the README's full run
+# One command for a GPU machine: gpu_speed.py's table, then the README's full run
 # (`torchrun --nproc_per_node=1 ddp_resnet.py`) as it is and with the candidate CUDA flags, all into $OUT.
 # About 4-5 minutes on one H100; at most 6.5 (each part has its own timeout).
 #
-# Before the call, here (data/ is ignored by git; the four .gz files are 30 MB):
-#     mkdir -p data/gz && cp /usr/share/datasets/fashion-mnist/*-ubyte.gz data/gz/
-# The call: command "bash benchmarks/gpu_speed_device.sh", carry ["data/gz"], timeout_s 420.
+# On a machine without internet, put Fashion-MNIST's four .gz files (30 MB) in data/gz/ first, e.g.
+#     mkdir -p data/gz && cp /usr/share/datasets/fashion-mnist/*-ubyte.gz data/gz/   (Debian: dataset-fashion-mnist)
+# and give the command 7 minutes.
 # AFTER="--amp --channels-last --compile" changes the candidate flags; GPU_SPEED="--quick" is passed to gpu_speed.py.
 set -u
 shopt -s nullglob
