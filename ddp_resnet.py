@@ -269,7 +269,8 @@ def parse_args(argv=None):
     p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--accum-steps", type=common.positive_int, default=1, help="micro-batches per rank's batch")
+    p.add_argument("--accum-steps", type=common.positive_int, default=1,
+                   help="gradient accumulation: micro-batches per rank's batch")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
