@@ -65,10 +65,9 @@ def load_on_every_rank(load, world_size):
                 loaded = load()
             except SystemExit as e:
                 problem = e.code
-        problems = every_rank(problem, world_size)
-        if any(problems):
-            failed = [bool(p) for p in problems].index(True)
-            sys.exit(problem or f"stopping: rank {failed} cannot go on (its line says why)")
+        failed = [rank for rank, p in enumerate(every_rank(problem, world_size)) if p]
+        if failed:
+            sys.exit(problem or f"stopping: rank {failed[0]} cannot go on (its line says why)")
     return loaded
 
 # ---------------------------------------------------------------- data: Fashion-MNIST, images, batches
