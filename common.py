@@ -8,7 +8,6 @@ import torch.distributed.nn   # noqa: F401  before any group: imported after one
 from torch.distributed.rendezvous import rendezvous
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
-from matplotlib.ticker import MaxNLocator
 
 # ---------------------------------------------------------------- the device and the group
 def default_to_one_process():   # no launcher: a group of one, on any free port
@@ -350,16 +349,15 @@ def finish(metrics, steps, seconds, state_dict, sent_per_step):
     save_atomically(lambda tmp: pathlib.Path(tmp).write_text(text), f"{out}/metrics.json")
     weights = {k: v.detach().cpu() for k, v in state_dict.items()}
     save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
-    fig = Figure(figsize=(9, 3.5))
+    fig = Figure(figsize=(9, 3.5), layout="tight")
     ax_loss, ax_acc = fig.subplots(1, 2)
     for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"), (ax_acc, "test_acc", "s-")):
         ax.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], style, label=key.replace("_", " "))
         ax.set(xlabel="epoch", xlim=(epochs[0]["epoch"] - 0.5, epochs[-1]["epoch"] + 0.5))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))   # whole epochs: no tick at 2.5
+        ax.locator_params(axis="x", integer=True, min_n_ticks=1)   # whole epochs: no tick at 2.5
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} ({metrics['backend']})")
-    fig.tight_layout()
     save_atomically(lambda tmp: fig.savefig(tmp, format="png", dpi=100), f"{out}/curves.png")
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))} "
           f"({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
