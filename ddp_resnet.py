@@ -170,9 +170,8 @@ def train(args):
     if rank_batch % args.accum_steps:
         raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into --accum-steps "
                          f"{args.accum_steps} micro-batches" if master else 1)
-    # DDP: each rank gets its 1/W of every global batch, a new order each epoch (sampler.set_epoch)
     train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
-                                                 args.workers)
+                                                 args.workers)   # DDP: this rank's 1/W of each global batch
     test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
