@@ -2,7 +2,7 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import ast, json, os, re, shutil, subprocess, sys, threading
+import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading
 import pytest
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
@@ -735,7 +735,6 @@ def test_a_member_joins_with_the_runs_flags_and_is_told_what_to_match_otherwise(
         "over", "the run is over: its members finished step 6")
 
 
-
 def coordinator_without_sockets():   # its decisions and its wire, on a socket pair: no port, no store
     coordinator = object.__new__(ft.Coordinator)
     coordinator.secret, coordinator.run_id, coordinator.timeout, coordinator.store_port = b"secret", "r1", 4.0, 1
@@ -744,7 +743,6 @@ def coordinator_without_sockets():   # its decisions and its wire, on a socket p
 
 
 def joins(coordinator, i, proof, flags=FLAGS, run=None):   # connection i sends a join; what it is answered
-    import socket
     ours, theirs = socket.socketpair()
     c = coordinator.connections[i] = ft.Connection(i, f"127.0.0.1:{5000 + i}", 0.0, f"challenge {i}", ours)
     theirs.sendall(json.dumps({"op": "join", "proof": proof, "challenge": "mine", "flags": flags, "step": 0,
@@ -764,13 +762,13 @@ def test_a_stranger_ends_only_its_own_connection_and_a_refused_member_sets_nothi
 
 
 def test_a_member_stopped_before_its_coordinator_answers_leaves_with_75():
-    import argparse
     member_ = object.__new__(ft.Member)
     member_.args = argparse.Namespace(join=("127.0.0.1", free_port()), init_timeout=30.0)   # no one listens there
     member_.stop = {"signal": "SIGTERM", "at": 0.0}
     member_.leave = lambda why, status: sys.exit(f"{status}: {why}")   # the checkpoint aside
     with pytest.raises(SystemExit, match="^75: stopped by SIGTERM while it waited for 127.0.0.1:"):
         member_.join()
+
 
 def test_the_coordinator_ends_once_the_run_is_over_and_waits_for_a_dropped_member_to_be_told():
     run = ft.Run(step=6, finished=100.0)
