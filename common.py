@@ -282,6 +282,11 @@ def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
         sys.exit(f"error: cannot resume from {path}: it was written with other training flags ({'; '.join(differ)}); "
                  f"use the same, or start without --resume" if master else 1)
 
+def position_text(epoch, batch_in_epoch, steps_per_epoch):   # of a checkpoint: at the start of `epoch`, or inside it
+    if batch_in_epoch:
+        return f"epoch {epoch} at batch {batch_in_epoch}/{steps_per_epoch}"
+    return f"epoch {epoch - 1} done"
+
 def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
     resume_check(saved["flags"], flags, path, master)
     position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
@@ -289,11 +294,9 @@ def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
         if master:
             print(f"nothing to train: {path} is at step {position['step']}, and this run ends at step {final_step}")
         return None
-    where = f"epoch {position['epoch'] - 1} done"
-    if position["batch_in_epoch"]:
-        where = f"epoch {position['epoch']} at batch {position['batch_in_epoch']}/{steps_per_epoch}"
     before, now = saved["flags"].get("BatchNorm's batch"), flags.get("BatchNorm's batch")
     if master:
+        where = position_text(position["epoch"], position["batch_in_epoch"], steps_per_epoch)
         print(f"resumed from {path}: {where}, step {position['step']}", flush=True)
     if master and before != now:
         print(f"note: BatchNorm now normalises {now} images at a time, {before} before: the run goes on close to, "

@@ -204,7 +204,8 @@ def train(args):
         if master:
             save_checkpoint(args.checkpoint, net, optimizer, scheduler, flags, metrics["epochs"], epoch=epoch,
                             batch_in_epoch=batch_in_epoch, step=step, totals=partial.tolist(), seconds=seconds)
-            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+            where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
+            print(f"  checkpoint: step {step} ({where})", flush=True)
         dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
     ddp_model, model, powersgd = wrap(net, args, device, backend, state is not None, master)   # DDP: the wrap
     if master:

@@ -258,7 +258,8 @@ def train(args):
         save_checkpoint(args.checkpoint, net, optimizer, scheduler, outer, here, flags, metrics["epochs"], rank,
                         world_size)
         if master:
-            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+            where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
+            print(f"  checkpoint: step {step} ({where})", flush=True)
     sent = collections.Counter()   # the bytes this rank hands to collectives in this run's steps (metrics.json)
     if master:
         print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "

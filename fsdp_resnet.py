@@ -275,7 +275,8 @@ def train(args):
                 "seconds": seconds}
         save_checkpoint(args.checkpoint, model, optimizer, scheduler, here, flags, metrics["epochs"], rank)
         if master:
-            print(f"  checkpoint: step {step} (epoch {epoch}, batch {batch_in_epoch}/{steps_per_epoch})", flush=True)
+            where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
+            print(f"  checkpoint: step {step} ({where})", flush=True)
     if master:
         replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
         print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "

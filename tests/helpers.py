@@ -326,6 +326,6 @@ def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--max-steps", "2",
                   "--out", str(out)] + PREEMPTIBLE)
     assert_ok(result)
-    assert "checkpoint: step 2 (epoch 1, batch 2/6)" in result.stdout
+    assert "checkpoint: step 2 (epoch 1 at batch 2/6)" in result.stdout
     return out / "checkpoint.pt"
 

@@ -141,7 +141,7 @@ def test_fsdp_mid_epoch_resume_from_an_image_folder_with_workers_ends_like_one_r
     assert_ok(stopped)
     said = f"no checkpoint in {parts / 'checkpoint'}: training starts from step 0"
     assert stopped.stdout.count(said) == 1, stopped.stdout   # rank 0 alone says it
-    assert "checkpoint: step 2 (epoch 1, batch 2/3)" in stopped.stdout
+    assert "checkpoint: step 2 (epoch 1 at batch 2/3)" in stopped.stdout
     (parts / "checkpoint" / "step-00000001").mkdir()
     (parts / "checkpoint" / "step-00000001" / ".metadata").write_bytes(b"cut short")
     (parts / "checkpoint" / "step-00000005.tmp").mkdir()

@@ -100,7 +100,7 @@ def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_unint
     assert_ok(first)
     said = f"no checkpoint at {tmp_path / 'checkpoint.pt'}: training starts from step 0"
     assert first.stdout.count(said) == 1, first.stdout   # rank 0 alone says it
-    assert "checkpoint: step 3 (epoch 1, batch 3/6)" in first.stdout
+    assert "checkpoint: step 3 (epoch 1 at batch 3/6)" in first.stdout
     capped = run(torchrun + ["--resume", "--max-steps", "2"])
     assert_ok(capped)
     assert "nothing to train" in capped.stdout and "at step 3, and this run ends at step 2" in capped.stdout
