@@ -12,7 +12,9 @@ from helpers import DATA, HERE, RESNET_LR, free_port, load_model, max_difference
 FT = ["--train-samples", "96", "--test-samples", "50", "--batch-size", "16", "--micro-batch", "4", "--epochs", "1",
       "--lr", str(RESNET_LR), "--data-dir", DATA, "--init-timeout", "30"]   # 6 steps
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FT_SECRET": "test-secret"}
-SUPERVISED = 'until "$@"; [ $? -le 2 ]; do sleep 1; done'   # the README's supervisor loop, for any command
+# The README's supervisor loop, for any command, ending with the member's own exit status (bash's `until` ends
+# with 0 after a member's failure: the test would take a member that failed for one that finished)
+SUPERVISED = 'until "$@"; status=$?; [ $status -le 2 ]; do sleep 1; done; exit $status'
 
 
 class Run:
