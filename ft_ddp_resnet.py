@@ -350,6 +350,7 @@ class Run:   # the run, as the coordinator knows it
     step: int = 0   # the steps committed
     failures: list = dataclasses.field(default_factory=list)   # (step, members, why) of the failed tries in a row
     finished: float = None   # when its last step was committed
+    dropped: str = None   # why a member was last dropped: after the end, it may still wake or come back
 
 def stalled(now, live, run, timeout):
     """Who holds the others up: {id: why}. Liveness is progress: one that neither voted nor asked within `timeout`
@@ -410,11 +411,11 @@ def admit(run, run_id, flags, checkpoint_run):
     return "joined", None
 
 def run_over(now, run, connections, timeout):
-    """(True, why) once the run finished and its members left; a dropped one is waited for 10 x timeout."""
+    """(True, why) once the run finished and its members left; 10 x timeout later if one was dropped (it may return)."""
     if run.finished is None or any(c.joined and not c.dropped for c in connections):
         return False, "the run goes on"
-    if connections and now - run.finished <= 10 * timeout:
-        return False, "a dropped member may still wake up"
+    if (connections or run.dropped) and now - run.finished <= 10 * timeout:
+        return False, "a dropped member may still come back"
     return True, f"the run is over (step {run.step})"
 
 class Coordinator:   # each turn: what came, then the decisions carried out; it ends on SIGTERM or with the run
@@ -457,7 +458,7 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
         run = self.run
         live = {c.id: c for c in self.connections.values() if c.joined and not c.dropped and not c.lost}
         for i, why in stalled(now, live, run, self.timeout).items():   # FT: alive or not, the others go on without it
-            live.pop(i).dropped = why
+            live.pop(i).dropped = run.dropped = why
             print(f"coordinator: member {i} dropped: {why}", flush=True)
         commit, why = commit_or_not(live, run)
         if commit is not None:   # the verdict on the step: counted, and told to its voters

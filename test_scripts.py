@@ -776,9 +776,12 @@ def test_the_coordinator_ends_once_the_run_is_over_and_waits_for_a_dropped_membe
     assert ft.run_over(101.0, run, [member(0)], timeout=4) == (False, "the run goes on")
     assert ft.run_over(101.0, run, [], timeout=4) == (True, "the run is over (step 6)")
     dropped = member(1)
-    dropped.dropped = "no vote and no request for 4 s while the others waited"
-    assert ft.run_over(139.0, run, [dropped], timeout=4) == (False, "a dropped member may still wake up")
+    dropped.dropped = run.dropped = "no vote and no request for 4 s while the others waited"
+    assert ft.run_over(139.0, run, [dropped], timeout=4) == (False, "a dropped member may still come back")
     assert ft.run_over(141.0, run, [dropped], timeout=4)[0] is True
+    # Told it was dropped, its connection closed: it comes back through its loop with --resume, a new connection
+    assert ft.run_over(139.0, run, [], timeout=4) == (False, "a dropped member may still come back")
+    assert ft.run_over(141.0, run, [], timeout=4) == (True, "the run is over (step 6)")
 
 
 # ---------------------------------------------------------------- ft_ddp_resnet.py: its store, its wire, its flags

@@ -165,7 +165,8 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
     """Dropped, the member leaves when it wakes, with its checkpoint and exit 75 (its one way back); the
     README's loop starts it again with --resume, and it rejoins. Every member runs under that loop, as the
     README has it: on a busy machine a peer whose own timeout fires 0.25 s after the other's is dropped
-    too, and comes back the same way."""
+    too, and comes back the same way; if the others finished the run meanwhile, the coordinator, still
+    there, tells it the run is over, and it ends with 0 and no model of its own."""
     with Run(tmp_path) as run:
         for name in ("m0", "m1", "m2"):
             run.member(name, "--min-members", "3", "--resume", supervised=True)
@@ -181,7 +182,11 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         wait_for(lambda: run.log("m2").count("joined run") == 2, 60, "m2 to rejoin")
         for name in ("m0", "m1"):
             os.killpg(run.members[name].pid, signal.SIGCONT)
-        assert max_difference(finished(run, "m0", "m1", "m2"), uninterrupted) == 0
+        assert run.wait("m0", "m1") == [0, 0], run.log("m0") + run.log("m1")
+        late = [name for name in ("m0", "m1") if "the run is over" in run.log(name)]
+        assert all("dropped by the coordinator" in run.log(name) for name in late), run.log("coordinator")
+        trained = [name for name in ("m0", "m1", "m2") if name not in late]
+        assert max_difference(finished(run, *trained), uninterrupted) == 0
         log = run.log("m2")
         assert re.search(r"at step (\d+): dropped by the coordinator .*; exit status 75\n(data: .*\n)?resumed from "
                          r"\S+ \(run \w+\): step \1\n", log) and log.count("joined run") == 2, log
@@ -213,20 +218,24 @@ def test_a_member_stopped_while_its_group_is_made_is_voted_out_and_the_other_goe
 
 
 def test_a_member_woken_after_its_run_ended_says_so_and_ends_cleanly(uninterrupted, tmp_path):
+    """Woken after the end, the dropped member is told the run is over. The coordinator waits 10 x
+    --member-timeout after the end if a member was dropped, connected or not: one told it was dropped
+    leaves, and its loop brings it back as a new member, which is told so too, not 'no coordinator'."""
     with Run(tmp_path) as run:
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "2")
         wait_for(lambda: "generation 1" in run.log("m1"), 60, "the first generation")
         run.members["m1"].send_signal(signal.SIGSTOP)
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
-        run.member("late", "--min-members", "2")   # the coordinator is still there (for m1): a member after the end
-        assert run.wait("late") == [0]
-        assert "the run is over: its members finished step 6" in run.log("late")
-        assert not (tmp_path / "late" / "model.pt").exists()
         run.members["m1"].send_signal(signal.SIGCONT)
         assert run.wait("m1") == [0], run.log("m1")
         assert "the run is over" in run.log("m1") and "Traceback" not in run.log("m1")
+        run.member("late", "--min-members", "2", "--resume")   # none connected now: as a dropped one comes back
+        assert run.wait("late") == [0], run.log("late")
+        assert "the run is over: its members finished step 6" in run.log("late")
+        assert not (tmp_path / "late" / "model.pt").exists()
         assert run.wait("coordinator") == [0]
+        assert run.log("coordinator").endswith("coordinator: the run is over (step 6)\n"), run.log("coordinator")
 
 
 def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_never_stopped(uninterrupted, tmp_path):
