@@ -168,8 +168,8 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
                 recovered, problem = recover(self.net, self.optimizer, self.progress, quorum["src"], self.args.epochs)
                 if recovered and recovered["step"] != self.progress["step"]:   # this member was behind
                     self.progress = recovered
-                    self.scheduler.last_epoch = recovered["step"] - 1   # FT: the learning rate of that step
-                    self.scheduler.step()
+                    self.scheduler = torch.optim.lr_scheduler.LambdaLR(   # FT: the learning rate of that step
+                        self.optimizer, self.scheduler.lr_lambdas, last_epoch=recovered["step"] - 1)
                     self.timer = common.Timer(self.device, already=recovered["seconds"])
                     print(f"{self.name}: recovered live at step {recovered['step']}", flush=True)
             self.committed_statistics = {name: b.clone() for name, b in statistics_of(self.net).items()}

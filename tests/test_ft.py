@@ -141,6 +141,7 @@ def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted
         paused(run, ["m0", "m1"], lambda: run.log("m2").count("joined run") == 2, "m2 to join")
         assert max_difference(finished(run, "m0", "m1", "m2"), uninterrupted) == 0
         assert re.search(r"recovered live at step [1-5]", run.log("m2")), run.log("m2")
+        assert "Warning" not in run.log("m2"), run.log("m2")
         assert json.load(open(tmp_path / "m2" / "metrics.json"))["steps"] == 6
 
 
