@@ -9,7 +9,7 @@ anywhere, any time. One that fails leaves with a checkpoint (exit 75) and comes 
 place saved little); all do if the coordinator is lost. Read in the order things happen: the step, the member, the
 coordinator, the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
 """
-import argparse, contextlib, dataclasses, functools, hashlib, hmac, ipaddress, json, math, os
+import argparse, contextlib, dataclasses, functools, hashlib, hmac, ipaddress, itertools, json, math, os
 import secrets, select, signal, socket, sys, threading, time, zlib
 from datetime import timedelta
 import torch
@@ -350,7 +350,7 @@ class Run:   # the run, as the coordinator knows it
     step: int = 0   # the steps committed
     failures: list = dataclasses.field(default_factory=list)   # (step, members, why) of the failed tries in a row
     finished: float = None   # when its last step was committed
-    dropped: str = None   # why a member was last dropped: after the end, it may still wake or come back
+    left: float = -math.inf   # when a member last left mid-run (dropped, killed, stopped): its loop may bring it back
 
 def stalled(now, live, run, timeout):
     """Who holds the others up: {id: why}. Liveness is progress: one that neither voted nor asked within `timeout`
@@ -411,11 +411,11 @@ def admit(run, run_id, flags, checkpoint_run):
     return "joined", None
 
 def run_over(now, run, connections, timeout):
-    """(True, why) once the run finished and its members left; 10 x timeout later if one was dropped (it may return)."""
+    """(True, why) once the run finished and its members left, and none may still wake or come back (10 x timeout)."""
     if run.finished is None or any(c.joined and not c.dropped for c in connections):
         return False, "the run goes on"
-    if (connections or run.dropped) and now - run.finished <= 10 * timeout:
-        return False, "a dropped member may still come back"
+    if connections and now - run.finished <= 10 * timeout or now - run.left <= 10 * timeout:
+        return False, "a member may still wake or come back"
     return True, f"the run is over (step {run.step})"
 
 class Coordinator:   # each turn: what came, then the decisions carried out; it ends on SIGTERM or with the run
@@ -431,7 +431,7 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
         self.store = dist.TCPStore(host, self.store_port, is_master=True, wait_for_workers=False,   # FT: groups
                                    master_listen_fd=store_socket.detach())
         self.connections = {}   # id: Connection
-        self.next_id = 0
+        self.ids = itertools.count()   # each new connection's id
         self.last_beat = 0.0
         self.run = Run()
         print(f"coordinator: run {self.run_id}: members join at {host}:{port}, their groups meet at {host}:"
@@ -444,8 +444,9 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
             now = time.monotonic()
             self.decide(now)
             for c in [c for c in self.connections.values() if c.lost]:   # given up this turn: closed, and said
-                del self.connections[c.id]
-                c.sock.close()
+                self.connections.pop(c.id).sock.close()
+                if c.joined and self.run.finished is None:   # FT: it may come back through its loop: run_over waits
+                    self.run.left = now
                 if c.joined or c.lost.startswith("refused"):
                     print(f"coordinator: {f'member {c.id}' if c.joined else f'the connection from {c.peer}'} "
                           f"{c.lost}", flush=True)
@@ -458,7 +459,7 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
         run = self.run
         live = {c.id: c for c in self.connections.values() if c.joined and not c.dropped and not c.lost}
         for i, why in stalled(now, live, run, self.timeout).items():   # FT: alive or not, the others go on without it
-            live.pop(i).dropped = run.dropped = why
+            live.pop(i).dropped = why
             print(f"coordinator: member {i} dropped: {why}", flush=True)
         commit, why = commit_or_not(live, run)
         if commit is not None:   # the verdict on the step: counted, and told to its voters
@@ -543,9 +544,8 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
             sock, peer = self.listener.accept()
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # answers leave at once
-            c = Connection(self.next_id, f"{peer[0]}:{peer[1]}", time.monotonic(), secrets.token_hex(16), sock)
+            c = Connection(next(self.ids), f"{peer[0]}:{peer[1]}", time.monotonic(), secrets.token_hex(16), sock)
             self.connections[c.id] = c
-            self.next_id += 1
             self.send(c, {"challenge": c.challenge})
             unproven = [u for u in self.connections.values() if not u.joined and not u.lost]
             if len(unproven) > MAX_UNPROVEN:   # a flood: the oldest goes, so a member still gets in

@@ -103,9 +103,15 @@ def test_three_members_and_two_end_bit_equal(uninterrupted):
     assert uninterrupted   # the fixture asserts it: computed once, for every test of this file
 
 
+PATIENT = ("--member-timeout", "60")   # the coordinator's
+
+
 @pytest.mark.parametrize("where", ["backward", "allreduce"])
 def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uninterrupted, tmp_path):
-    with Run(tmp_path) as run:
+    """Started again only after the others finished (a loop's restart on a slow machine), the killed
+    member is told the run is over: the coordinator waits 10 x --member-timeout for a member that left
+    mid-run, lest it meet no coordinator and end its loop with 1."""
+    with Run(tmp_path, *PATIENT) as run:
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "3")
         run.member("m2", "--min-members", "3", dies=(where, 2))
@@ -114,6 +120,10 @@ def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uni
         assert re.search(r"generation 2: 2 member\(s\), from step 2", run.log("m0")), run.log("m0")
         metrics = json.load(open(tmp_path / "m0" / "metrics.json"))
         assert metrics["steps"] == 6 and metrics["generations"] == 2
+        run.member("m2", "--resume")
+        assert run.wait("m2") == [0], run.log("m2")
+        assert run.said("m2")[-1] == ("this member: the run is over: its members finished step 6; nothing is left "
+                                      "to train"), run.log("m2")
 
 
 def paused(run, names, until, what):
@@ -126,9 +136,6 @@ def paused(run, names, until, what):
     finally:
         for name in names:
             run.members[name].send_signal(signal.SIGCONT)
-
-
-PATIENT = ("--member-timeout", "60")   # the coordinator's
 
 
 def test_a_killed_member_restarted_recovers_live_and_all_end_equal(uninterrupted, tmp_path):
@@ -219,23 +226,23 @@ def test_a_member_stopped_while_its_group_is_made_is_voted_out_and_the_other_goe
 
 
 def test_a_member_woken_after_its_run_ended_says_so_and_ends_cleanly(uninterrupted, tmp_path):
-    """Woken after the end, the dropped member is told the run is over. The coordinator waits 10 x
-    --member-timeout after the end if a member was dropped, connected or not: one told it was dropped
-    leaves, and its loop brings it back as a new member, which is told so too, not 'no coordinator'."""
+    """The coordinator waits for a dropped member still connected, 10 x --member-timeout after the end:
+    a member after the end is told the run is over, and so is the dropped one when it wakes. Then the
+    coordinator ends by itself: no member left mid-run, none may come back."""
     with Run(tmp_path) as run:
         for name in ("m0", "m1"):
             run.member(name, "--min-members", "2")
         wait_for(lambda: "generation 1" in run.log("m1"), 60, "the first generation")
         run.members["m1"].send_signal(signal.SIGSTOP)
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
+        run.member("late", "--min-members", "2")   # the coordinator is still there (for m1): a member after the end
+        assert run.wait("late") == [0]
+        assert "the run is over: its members finished step 6" in run.log("late")
+        assert not (tmp_path / "late" / "model.pt").exists()
         run.members["m1"].send_signal(signal.SIGCONT)
         assert run.wait("m1") == [0], run.log("m1")
         assert "the run is over" in run.log("m1") and "Traceback" not in run.log("m1")
-        run.member("late", "--min-members", "2", "--resume")   # none connected now: as a dropped one comes back
-        assert run.wait("late") == [0], run.log("late")
-        assert "the run is over: its members finished step 6" in run.log("late")
-        assert not (tmp_path / "late" / "model.pt").exists()
-        assert run.wait("coordinator") == [0]
+        assert run.wait("coordinator", timeout=30) == [0]
         assert run.log("coordinator").endswith("coordinator: the run is over (step 6)\n"), run.log("coordinator")
 
 
