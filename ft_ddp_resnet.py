@@ -414,7 +414,7 @@ def run_over(now, run, connections, timeout):
     """(True, why) once the run finished and its members left, and none may still wake or come back (10 x timeout)."""
     if run.finished is None or any(c.joined and not c.dropped for c in connections):
         return False, "the run goes on"
-    if connections and now - run.finished <= 10 * timeout or now - run.left <= 10 * timeout:
+    if (connections and now - run.finished <= 10 * timeout) or now - run.left <= 10 * timeout:
         return False, "a member may still wake or come back"
     return True, f"the run is over (step {run.step})"
 
@@ -442,14 +442,14 @@ class Coordinator:   # each turn: what came, then the decisions carried out; it 
         while True:
             self.receive()   # joins, requests for a quorum and votes (self.handle); strangers' bytes refused
             now = time.monotonic()
-            self.decide(now)
-            for c in [c for c in self.connections.values() if c.lost]:   # given up this turn: closed, and said
+            for c in [c for c in self.connections.values() if c.lost]:   # given up: closed and said, before a commit
                 self.connections.pop(c.id).sock.close()
                 if c.joined and self.run.finished is None:   # FT: it may come back through its loop: run_over waits
                     self.run.left = now
                 if c.joined or c.lost.startswith("refused"):
                     print(f"coordinator: {f'member {c.id}' if c.joined else f'the connection from {c.peer}'} "
                           f"{c.lost}", flush=True)
+            self.decide(now)
             over, why = run_over(now, self.run, self.connections.values(), self.timeout)
             if over:
                 print(f"coordinator: {why}", flush=True)

@@ -193,6 +193,7 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         assert run.wait("m0", "m1") == [0, 0], run.log("m0") + run.log("m1")
         late = [name for name in ("m0", "m1") if "the run is over" in run.log(name)]
         assert all("dropped by the coordinator" in run.log(name) for name in late), run.log("coordinator")
+        assert not any((tmp_path / name / "model.pt").exists() for name in late)
         trained = [name for name in ("m0", "m1", "m2") if name not in late]
         assert max_difference(finished(run, *trained), uninterrupted) == 0
         log = run.log("m2")
