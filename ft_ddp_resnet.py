@@ -397,11 +397,11 @@ def next_quorum(live, run):
 
 def admit(run, run_id, flags, checkpoint_run):
     """Whether a member that proved FT_SECRET joins: ("joined", None), or ("over" or "refused", what it is told)."""
-    if run.finished is not None:   # a member after the end (even during the last step): nothing to do
-        return "over", f"the run is over: its members finished step {run.step}"
-    if checkpoint_run not in (None, run_id):
+    if checkpoint_run not in (None, run_id):   # (even after the end: it is not this run that is over)
         return "refused", (f"error: its checkpoint is of run {checkpoint_run}, and this coordinator serves run "
                            f"{run_id}: start it without --resume, or serve that run (--run-id {checkpoint_run})")
+    if run.finished is not None:   # a member after the end (even during the last step): nothing to do
+        return "over", f"the run is over: its members finished step {run.step}"
     differ = [k for k, v in (run.flags or {}).items()   # (none: it is the first live member)
               if flags.get(k) != v and k != "min_members"]   # (min_members: only the first quorum's)
     if differ:

@@ -731,8 +731,10 @@ def test_a_member_joins_with_the_runs_flags_and_is_told_what_to_match_otherwise(
     verdict, why = ft.admit(run, "r1", FLAGS, "r0")
     assert verdict == "refused" and why.startswith("error: its checkpoint is of run r0, and this coordinator serves "
                                                    "run r1"), why
-    assert ft.admit(ft.Run(flags=FLAGS, step=6, finished=1.0), "r1", FLAGS, None) == (
-        "over", "the run is over: its members finished step 6")
+    over = ft.Run(flags=FLAGS, step=6, finished=1.0)
+    assert ft.admit(over, "r1", FLAGS, None) == ("over", "the run is over: its members finished step 6")
+    assert ft.admit(over, "r1", FLAGS, "r1") == ("over", "the run is over: its members finished step 6")
+    assert ft.admit(over, "r1", FLAGS, "r0")[0] == "refused"   # another run's member: its run is not over
 
 
 def coordinator_without_sockets():   # its decisions and its wire, on a socket pair: no port, no store
