@@ -58,9 +58,12 @@ fi
 export PYTHONUNBUFFERED=1
 if [ "$mode" = test ]; then
   # Two tests at a time (pytest-xdist): a third of a test's time its processes wait on each other
-  # (rendezvous, timeouts, SLURM); the tests of several machines take turns on one worker.
-  if [ "$tier" = quick ]; then exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=10 test_scripts.py; fi
-  exec "$PY" -m pytest -q -n 2 --dist loadgroup --durations=10 test_scripts.py tests
+  # (rendezvous, timeouts, SLURM); the tests of several machines take turns on one worker. A test's
+  # temporary folder is kept only if it failed: the whole suite writes 11 GB (checkpoints, image
+  # folders), and pytest would keep its last three runs.
+  flags=(-q -n 2 --dist loadgroup --durations=10 -o tmp_path_retention_policy=failed)
+  if [ "$tier" = quick ]; then exec "$PY" -m pytest "${flags[@]}" test_scripts.py; fi
+  exec "$PY" -m pytest "${flags[@]}" test_scripts.py tests
 elif [ "$mode" = bench ]; then
   exec "$PY" benchmarks/bench.py
 fi
