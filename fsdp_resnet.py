@@ -271,8 +271,7 @@ def train(args):
     def save(step, epoch, batch_in_epoch, totals, seconds):   # FSDP: every rank writes its own shards
         partial = totals.clone()
         dist.all_reduce(partial)   # FSDP: every rank's sums so far in this epoch
-        here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
-                "seconds": seconds}
+        here = dict(epoch=epoch, batch_in_epoch=batch_in_epoch, step=step, totals=partial.tolist(), seconds=seconds)
         save_checkpoint(args.checkpoint, model, optimizer, scheduler, here, flags, metrics["epochs"], rank)
         if master:
             where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
