@@ -67,8 +67,9 @@ def train(args):
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device, dtype=torch.float64)   # summed loss, hits, samples
         net.train()
-        for X, y in train_batches:
-            train_step(model, optimizer, X.contiguous(memory_format=memory_format), y, totals)
+        for X, y in train_batches:   # the batch on the first GPU, whence DataParallel scatters it; y stays there
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+            train_step(model, optimizer, X, y.to(device, non_blocking=True), totals)
             step += 1
             if step == args.max_steps:
                 break

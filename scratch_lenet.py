@@ -46,10 +46,11 @@ def get_params(params, device, memory_format=torch.contiguous_format):
             .requires_grad_() for p in params]
 
 def split_batch(X, y, devices):
-    """Cut the batch into one share per device (sizes differ by at most one)."""
+    """Cut the batch into one share per device (sizes differ by at most one), each copied there without waiting:
+    the loader's batch is in pinned memory, so the copies overlap the work already queued on the GPUs."""
     assert len(X) >= len(devices), "a batch needs at least one sample per replica"
-    return ([x.to(d) for x, d in zip(X.tensor_split(len(devices)), devices)],
-            [t.to(d) for t, d in zip(y.tensor_split(len(devices)), devices)])
+    return ([x.to(d, non_blocking=True) for x, d in zip(X.tensor_split(len(devices)), devices)],
+            [t.to(d, non_blocking=True) for t, d in zip(y.tensor_split(len(devices)), devices)])
 
 def allreduce(data):
     """Sum the tensors in `data` (one per device) and leave the sum in every one of them."""

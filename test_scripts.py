@@ -2,7 +2,7 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading
+import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading, traceback
 import pytest
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
@@ -15,6 +15,7 @@ import fsdp_resnet
 import ft_ddp_resnet as ft
 import scratch_lenet
 import scratch_ring
+from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
                      epoch_batches, fashion_resnet, free_port, load_model, resnet_reference, run,
                      scratch_ring_trains_like_one_device)
@@ -128,11 +129,10 @@ def test_global_batches_do_not_depend_on_world_size(world_size):
 
 
 # ---------------------------------------------------------------- every tensor on the model's device
-# On a CPU-only machine a tensor made without device= lands where the model is anyway. The meta device refuses
-# CPU tensors beside its own (torch.stack, torch.cat), as CUDA does; nothing can be read back from it, so each
-# call below must get as far as that, and no further.
+# On a CPU-only machine a tensor made without device= lands where the model is anyway. The meta device stands in for
+# the GPU: tests/as_on_a_gpu.py refuses an op on two devices as CUDA does, and nothing can be read back from meta, so
+# each page or call below must get as far as its first read-back, and no further.
 META = torch.device("meta")
-READ_BACK = "cannot be called on meta tensors|Cannot copy out of meta tensor"
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -156,51 +156,44 @@ def test_accuracy_counts_exactly_past_float32s_integers():
     assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == (n - 1) / n
 
 
-def meta_batch(n=8):
-    return torch.empty(n, 1, 28, 28, device=META), torch.empty(n, dtype=torch.long, device=META).random_(10)
+GPU_RESNET = ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--data-dir",
+              DATA]   # two steps, then the evaluation: its count is the first read-back
+GPU_LENET = ["--train-samples", "64", "--test-samples", "20", "--batch-size", "32", "--epochs", "1", "--data-dir", DATA]
+GPU_PAGES = [   # (page, GPUs, flags): each page with its GPU flags
+    (scratch_lenet, 2, GPU_LENET), (scratch_ring, 2, GPU_LENET + ["--devices", "2"]),
+    (scratch_ring, 1, GPU_LENET + ["--overlap"]), (scratch_ring, 1, GPU_LENET + ["--zero"]),
+    (dp_resnet, 1, GPU_RESNET), (dp_resnet, 2, GPU_RESNET + ["--amp", "--channels-last"]),
+    (ddp_toy, 1, ["--epochs", "1", "--train-samples", "96", "--test-samples", "20"]),
+    (ddp_resnet, 1, GPU_RESNET), (ddp_resnet, 1, GPU_RESNET + ["--amp", "--channels-last", "--accum-steps", "2"]),
+    (fsdp_resnet, 1, GPU_RESNET + ["--amp", "--channels-last"]),
+    (diloco_resnet, 1, GPU_RESNET + ["--amp", "--channels-last", "--local-steps", "2"])]
 
 
-@pytest.mark.parametrize("script", ["ddp_resnet", "dp_resnet", "fsdp_resnet", "diloco_resnet"])
-def test_each_resnet_step_and_its_sums_stay_on_the_models_device(script, monkeypatch):
-    """The step's forward, backward, update and the epoch's sums, with the model and batch on meta. autocast
-    knows no meta device type: here it opens the CPU's, whose kernels meta has too."""
-    autocast = torch.autocast
-    monkeypatch.setattr(torch, "autocast", lambda device_type, *a, **k: autocast("cpu", *a, **k))
-    net = fashion_resnet(0).to(META)
-    optimizer, _ = common.sgd_recipe(net, 0.1, 5e-4, 0, 10)
-    (X, y), totals = meta_batch(), torch.zeros(3, device=META, dtype=torch.float64)
-    for amp in (False, True):
-        if script == "ddp_resnet":
-            ddp_resnet.train_step(net, net, optimizer, X, y, 1, amp, totals)
-        elif script == "dp_resnet":
-            dp_resnet.train_step(torch.nn.DataParallel(dp_resnet.Autocast(net, amp)), optimizer, X, y, totals)
-        elif script == "fsdp_resnet":
-            fsdp_resnet.train_step(net, optimizer, X, y, totals)
-        else:
-            diloco_resnet.train_step(net, optimizer, X, y, amp, totals)
-    assert totals.device == META and all(p.device == META for p in net.parameters())
-    with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
-        totals.tolist()
-
-
-@pytest.mark.parametrize("mode", ["replicas", "--overlap", "--zero"])
-def test_scratch_steps_stay_on_the_replicas_devices(mode):
-    """Two replicas on meta: the split, the replicas' steps in their threads, the sums in memory, the update
-    (and one process's ring, its overlap thread, ZeRO's chunks); the loss and hits on the first replica's device."""
-    X, y = meta_batch()
-    replicas = [scratch_lenet.get_params(scratch_lenet.init_params(0), META, torch.channels_last) for _ in range(2)]
-    velocities = [[torch.zeros_like(p) for p in W] for W in replicas]
-    if mode == "replicas":
-        loss, hits = scratch_lenet.train_batch(X, y, replicas, velocities, [META] * 2, 0.1, 8)
-    elif mode == "--zero":
-        flat = torch.zeros(sum(p.numel() for p in replicas[0]), device=META)
-        loss, hits = scratch_ring.train_batch(X, y, replicas, [flat], [META] * 2, 0.1, 8, 0, 1, zero=True)
-    else:
-        overlap = scratch_ring.OverlappedAllreduce(replicas, 0, 1, 1024, META)
-        loss, hits = scratch_ring.train_batch(X, y, replicas, velocities, [META] * 2, 0.1, 8, 0, 1, overlap=overlap)
-    totals = torch.zeros(3, device=META, dtype=torch.float64)
-    totals[:2] += torch.stack([loss, hits.float()])   # the training loop's sum
-    assert all(p.device == META for W in replicas for p in W)
+@pytest.mark.parametrize("page, gpus, flags", GPU_PAGES, ids=[
+    " ".join([page.__name__, f"{gpus}gpu"] + [f for f in flags if f.startswith("--") and f not in GPU_RESNET])
+    for page, gpus, flags in GPU_PAGES])
+def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, monkeypatch, tmp_path):
+    """The page's own main(), as on a machine with `gpus` GPUs (tests/as_on_a_gpu.py: what it sees and what it cannot):
+    its loader, loop, steps, sums, collectives and evaluation forwards all run on the "GPU", so the first thing that
+    fails is the read-back of the evaluation's count, which meta cannot give. A batch left on the CPU, a count made
+    there, a CPU tensor handed to NCCL fail earlier, naming the op."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    if page not in (scratch_lenet, dp_resnet):   # one rank of a launcher, its own port
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT="0").items():
+            monkeypatch.setenv(name, value)
+    with as_on_a_gpu(monkeypatch, gpus) as collectives:
+        with pytest.raises((RuntimeError, NotImplementedError)) as failed:
+            page.main(flags + ["--out", str(tmp_path)])
+    stack = "".join(traceback.format_exception(failed.value))[-3000:]
+    frames = traceback.extract_tb(failed.value.__traceback__)
+    ours = [frame for frame in frames if os.path.dirname(frame.filename) == HERE]   # the pages' and common.py's
+    assert re.search(READ_BACK, str(failed.value)), stack
+    assert (os.path.basename(ours[-1].filename), ours[-1].name, ours[-1].line) == (
+        "common.py", "accuracy", "correct, count = totals.tolist()"), stack
+    if page in (ddp_resnet, fsdp_resnet, diloco_resnet):   # the epoch's sums and BatchNorm's buffers, handed to NCCL
+        assert {"all_reduce", "broadcast"} <= set(collectives.calls), collectives.calls
 
 
 def test_dataparallel_amp_is_bfloat16_in_every_replica_thread():

@@ -1,0 +1,205 @@
+"""A page's own main() run as on a machine with GPUs, on a CPU: each "GPU" is the meta device, and an op that meets
+tensors on two devices is refused, as CUDA refuses it.
+
+What a run under `as_on_a_gpu` sees:
+- torch.cuda says there are `gpus` GPUs; `torch.device("cuda", i)` is `meta:i`, so a page that counts its GPUs, or
+  common.pick_device, hands out meta devices, and every tensor the page puts "on the GPU" is a meta tensor;
+- an aten op whose tensors sit on two devices fails with "Expected all tensors to be on the same device" (a 0-dim CPU
+  tensor beside others is allowed, as CUDA allows it; copies and indexing move data between devices), in every
+  thread that computes: the page's own, a ThreadPoolExecutor's (scratch_lenet.py's replicas, scratch_ring.py's
+  communication thread) and DataParallel's replicas;
+- the wrappers do to devices what they do on GPUs and nothing else: DDP (given device_ids on a GPU) and FSDP2's root
+  move the forward's inputs to the module's device; DataParallel checks the module is on its first device, splits the
+  batch over its devices, runs a replica per device in threads, and gathers the outputs on the first;
+- a collective on the default group (NCCL on GPUs) must be handed device tensors, as NCCL needs, and then does
+  nothing (one process: the sum is the tensor itself); the stop vote's gloo group, whose tensors are on the CPU by
+  design, runs for real. The group itself is gloo's, one process;
+- autocast for meta is the CPU's.
+Nothing can be read back from meta: a page whose every training step and evaluation forward ran "on the GPU" fails
+first where it reads the evaluation's count, common.accuracy's `totals.tolist()`. That is the pass.
+
+What it cannot see: one meta device stands for all GPUs (a cuda:0/cuda:1 mix-up passes); the page's branches on
+`device.type == "cuda"` (pinned memory, DDP's device_ids, SyncBatchNorm, the timer's synchronize) take their CPU side;
+CUDA's own autocast rules and dtypes; NCCL across processes (one process here); ft_ddp_resnet.py, which trains on
+CPUs by design."""
+import concurrent.futures, contextlib, functools, os, signal, sys, threading
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as real_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the pages
+
+REAL_DEVICE, REAL_AUTOCAST = torch.device, torch.autocast
+# ops that may take tensors on two devices on CUDA too: copies between them, and indexing with CPU indices
+MOVES = {"aten._to_copy.default", "aten.copy_.default", "aten._copy_from.default", "aten._copy_from_and_resize.default",
+         "aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"}
+READ_BACK = "cannot be called on meta tensors|Cannot copy out of meta tensor"
+
+
+class _DeviceType(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, REAL_DEVICE)
+
+    def __call__(cls, *args, **kwargs):
+        device = REAL_DEVICE(*args, **kwargs)
+        return REAL_DEVICE("meta", device.index) if device.type == "cuda" else device
+
+
+class CudaIsMeta(metaclass=_DeviceType):
+    """torch.device as the page sees it: a CUDA device is the meta device of that number."""
+
+
+class OneDevice(TorchDispatchMode):
+    """Refuses an op whose tensors are on two devices, as CUDA's kernels do."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func) not in MOVES:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            devices = {str(t.device) for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
+            if len(devices) > 1:
+                raise RuntimeError(f"Expected all tensors to be on the same device, but {func} got tensors on "
+                                   f"{' and '.join(sorted(devices))}")
+        return func(*args, **kwargs)
+
+
+def on_one_device(fn):   # fn, run in another thread with the refusal there too (a dispatch mode is per thread)
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with OneDevice():
+            return fn(*args, **kwargs)
+    return run
+
+
+def to_device(inputs, device):
+    return tuple(x.to(device, non_blocking=True) if torch.is_tensor(x) else x for x in inputs)
+
+
+def device_of(module):
+    return next(module.parameters()).device
+
+
+class DistributedDataParallel(nn.Module):
+    """What DDP does to devices, given device_ids on a GPU: the forward's inputs go to the module's device."""
+    def __init__(self, module, device_ids=None, **options):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs):
+        return self.module(*to_device(inputs, device_of(self.module)))
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def register_comm_hook(self, state, hook):
+        pass
+
+
+class DataParallel(nn.Module):
+    """What DataParallel does to devices: the module must be on the first device; the batch is split over the
+    devices, a replica runs on each in a thread of its own, the outputs are gathered on the first device."""
+    def __init__(self, module, device_ids=None):
+        super().__init__()
+        self.module, self.device_ids = module, device_ids
+
+    def forward(self, X):
+        if not self.device_ids:   # DataParallel without devices (a CPU) just calls the module
+            return self.module(X)
+        devices = [torch.device(d) for d in self.device_ids]
+        found = {t.device.type for t in [*self.module.parameters(), *self.module.buffers()]}
+        if found != {devices[0].type}:
+            raise RuntimeError(f"module must have its parameters and buffers on device {devices[0]} (device_ids[0]) "
+                               f"but found them on {found}")
+        shards = [x.to(d, non_blocking=True) for x, d in zip(X.tensor_split(len(devices)), devices)]
+        if len(shards) == 1:
+            return self.module(shards[0])
+        outputs, failures = [None] * len(shards), []
+        def replica(i):
+            try:
+                outputs[i] = self.module(shards[i])
+            except Exception as e:   # raised again here, as DataParallel does
+                failures.append(e)
+        threads = [threading.Thread(target=on_one_device(replica), args=(i,)) for i in range(len(shards))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        return torch.cat([o.to(devices[0]) for o in outputs])
+
+
+def fully_shard(module, mesh=None, mp_policy=None, **options):
+    """What FSDP2 does to devices: the module's states go to the mesh's device (the "GPU"), and the forward's inputs
+    to it (the root does that; inside, they are there already)."""
+    module.to(torch.device("cuda", 0))
+    module.register_forward_pre_hook(lambda m, inputs: to_device(inputs, device_of(m)))
+    return module
+
+
+class Collectives:
+    """dist's collectives as the page calls them: on the default group (NCCL on GPUs), each tensor must be on the
+    "GPU", and then nothing happens (one process); on another group (the stop vote's gloo), the real one."""
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv",
+             "isend", "irecv")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.NAMES:
+            monkeypatch.setattr(dist, name, self.checked(name, getattr(dist, name)))
+
+    def checked(self, name, real):
+        def collective(*args, group=None, **kwargs):
+            if group is not None and group is not dist.group.WORLD:
+                return real(*args, group=group, **kwargs)
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
+            off = [str(t.device) for t in tensors if t.device.type != "meta"]
+            if off:
+                raise RuntimeError(f"dist.{name} on the default group was handed tensors on {off}: NCCL takes only "
+                                   f"the GPU's")
+            self.calls.append(name)
+            return None
+        return collective
+
+
+@contextlib.contextmanager
+def as_on_a_gpu(monkeypatch, gpus=1):
+    """Inside: torch sees `gpus` GPUs that are meta, ops on two devices are refused in every thread, and the wrappers
+    and collectives act on devices as on GPUs. Yields the collectives' record."""
+    monkeypatch.setattr(torch, "device", CudaIsMeta)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for name in ("set_device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch, "autocast", lambda device_type, *args, **kwargs: REAL_AUTOCAST(
+        "cpu" if device_type == "meta" else device_type, *args, **kwargs))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    real_init = dist.init_process_group
+    def init_process_group(backend, **options):   # NCCL's group, made of gloo: the collectives never run on it
+        options.pop("device_id", None)
+        return real_init("gloo", **options)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(nn, "DataParallel", DataParallel)
+    fakes = {nn.parallel.DistributedDataParallel: DistributedDataParallel, real_fully_shard: fully_shard,
+             init_device_mesh: lambda device_type, shape, **options: init_device_mesh("cpu", shape, **options)}
+    for module in list(sys.modules.values()):   # the pages' own names for them (from torch... import ...)
+        if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == HERE:
+            for name, value in list(vars(module).items()):
+                for real, fake in fakes.items():
+                    if value is real:
+                        monkeypatch.setattr(module, name, fake)
+    real_submit = concurrent.futures.ThreadPoolExecutor.submit
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit",
+                        lambda self, fn, *args, **kwargs: real_submit(self, on_one_device(fn), *args, **kwargs))
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with OneDevice():
+            yield Collectives(monkeypatch)
+    finally:
+        for signum, handler in handlers.items():   # the pages' StopSignal set them in this process
+            signal.signal(signum, handler)
+        if dist.is_initialized():
+            dist.destroy_process_group()
