@@ -24,6 +24,8 @@ def pick_device(backend, gpus_each=1, cuda=None):
         if "OMP_NUM_THREADS" not in os.environ:   # torchrun sets 1; started otherwise, a node's ranks share its cores
             torch.set_num_threads(max(1, torch.get_num_threads() // here))
         return torch.device("cpu")
+    if torch.cuda.device_count() == gpus_each and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        here, local_rank = 1, 0   # the launcher shows each process its own GPUs alone (srun --gpus-per-task): 0 .. K-1
     if backend == "nccl" and here * gpus_each > torch.cuda.device_count():
         sys.exit(f"rank {os.environ['RANK']}: error: {here} processes x {gpus_each} GPUs on this node, which has "
                  f"{torch.cuda.device_count()}; start at most one per GPU, or let them share: --backend gloo")

@@ -402,6 +402,7 @@ def test_more_ranks_than_gpus_is_refused_before_nccl(monkeypatch):
 
 def pretend_gpus(monkeypatch, count, ranks_here):
     """A CUDA machine with `count` GPUs as the scripts' set-up sees it, and this process one of `ranks_here`."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)   # every process sees all of them
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
@@ -409,6 +410,25 @@ def pretend_gpus(monkeypatch, count, ranks_here):
     for name, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(ranks_here),
                             LOCAL_WORLD_SIZE=str(ranks_here)).items():
         monkeypatch.setenv(name, value)
+
+
+def test_a_launcher_that_shows_each_process_its_own_gpus_is_taken_at_its_word(monkeypatch):
+    """srun --gpus-per-task starts several processes on a node and shows each its own GPUs alone, numbered from 0
+    (CUDA_VISIBLE_DEVICES differs per process): local rank 1 of 2 takes the one it sees, over NCCL, as does scratch_ring
+    with 2 GPUs each. Without CUDA_VISIBLE_DEVICES the same count is a node with too few GPUs (refused: test above)."""
+    pretend_gpus(monkeypatch, 1, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert common.pick_device("nccl") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert common.pick_device("nccl", gpus_each=2) == torch.device("cuda", 0)
+    monkeypatch.setattr(common, "attempt_store", lambda: None)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    def init_process_group(backend, device_id=None, **options):
+        raise Formed(device_id)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises(Formed, match="^cuda:0$"):   # not refused: its group forms on cuda:0
+        scratch_ring.main(["--devices", "2"])
 
 
 def test_gloo_shares_a_gpu_where_it_can_and_says_where_it_cannot(monkeypatch):
