@@ -7,6 +7,11 @@ Each step DataParallel copies the model from the first GPU to the others, cuts t
 the pieces in threads of this one process, gathers the outputs on the first GPU, and sums the gradients back there.
 Simple to use, but every step pays for those copies and the first GPU's extra work, all driven by one Python process
 (its threads share one interpreter): PyTorch recommends DistributedDataParallel (ddp_resnet.py) even on one machine.
+
+On several GPUs (not yet run on such a machine) BatchNorm normalises each GPU's share of the batch, as each DDP rank
+does, and only the first GPU keeps running statistics: DataParallel drops what the replicas on the others write in
+their forward. Those replicas get contiguous copies of the weights, not channels_last ones. The timer waits for the
+first GPU alone: every step ends there (the gradients summed, the update).
 Copy it with common.py. Lines that exist only because of DataParallel are tagged `# DP:`.
 """
 import argparse, os, time

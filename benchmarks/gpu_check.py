@@ -1,7 +1,8 @@
 """Every script briefly on this machine's GPUs, with its GPU flags: one table (row, layout, backend, exit
 status, test accuracy, samples/s), exit status 1 if any row failed. Without a GPU: one line, exit status 0.
 
-    python benchmarks/gpu_check.py                  # about 6 minutes on one H100
+    python benchmarks/gpu_check.py                  # 2 rows at a time: about 3-4 minutes on one H100
+    python benchmarks/gpu_check.py --jobs 1         # one row at a time, each row's samples/s its own: ~6 minutes
     python benchmarks/gpu_check.py --only ddp_toy   # the rows whose name starts so
 
 NCCL rows run one rank per GPU, at most two. Gloo rows run two ranks on whatever GPUs there are (on one GPU
@@ -11,9 +12,11 @@ gloo crashed with them), and their rows check that refusal. Also: --amp, --chann
 --sync-bn, compressed gradients, an image folder read by DataLoader workers, a SIGTERM stop of ddp_resnet.py
 and its --resume, and the README's full run, `torchrun --nproc_per_node=1 ddp_resnet.py`. ft_ddp_resnet.py trains
 on the CPU by design and has no row. Each row's output is in runs/gpu_check/<row>.log; samples/s of a short
-row include its first steps (cuDNN's autotuning, compiling).
+row include its first steps (cuDNN's autotuning, compiling). A row is mostly start-up (Python, CUDA, NCCL, cuDNN),
+which the CPU's cores do, so --jobs rows run at a time, sharing the GPU (their samples/s then too); the stop and its
+resume run in turn, and the README's full run alone, last.
 """
-import argparse, json, os, re, signal, subprocess, sys, time
+import argparse, concurrent.futures, json, os, re, signal, subprocess, sys, threading, time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +40,8 @@ def rows(gpus):
         ("ddp_toy", nccl[0], ["ddp_toy.py", *nccl[1]], None),
         ("ddp_toy, mp.spawn", "python", ["ddp_toy.py", "--world-size", "2", *gloo[1]], None),
         ("ddp_resnet", nccl[0], ["ddp_resnet.py", *nccl[1], *SHORT], None),
-        ("ddp_resnet --amp --channels-last --sync-bn --compile", nccl[0],
+        # --sync-bn syncs the statistics across ranks: at one rank (one GPU) it is plain BatchNorm, and the row says so
+        (f"ddp_resnet --amp --channels-last --sync-bn{'' if n > 1 else ' (1 rank: no sync)'} --compile", nccl[0],
          ["ddp_resnet.py", *nccl[1], "--amp", "--channels-last", "--sync-bn", "--compile", *SHORT], None),
         ("ddp_resnet --comm-hook powersgd", gloo[0],
          ["ddp_resnet.py", *gloo[1], "--comm-hook", "powersgd", "--powersgd-start", "2", *SHORT], None),
@@ -117,39 +121,48 @@ def main():
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "data"), help="where Fashion-MNIST is")
     parser.add_argument("--only", help="only the rows whose name starts with this")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a row may take")
+    parser.add_argument("--jobs", type=int, default=2, help="rows run at a time, sharing the GPU (1: each alone)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no GPU here, nothing to check (bash run_all.sh test proves the CPU path)")
         return 0
     gpus = torch.cuda.device_count()
     print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}", flush=True)
+          f"{time.strftime('%Y-%m-%d')}, {args.jobs} row(s) at a time", flush=True)
     table = [row for row in rows(gpus) if not args.only or row[0].startswith(args.only)]
     if any("image folder" in row[0] for row in table):
         sys.path.insert(0, os.path.join(ROOT, "examples"))
         from write_images import write_images
         write_images(args.data_dir, os.path.join(OUT, "images"), IMAGES[0], IMAGES[1])
     print(f"\n{'row':52} {'layout':12} {'backend':22} {'exit':>6} {'test acc':>8} {'samples/s':>10} {'s':>6}")
-    failed, started = [], time.monotonic()
+    failed, started, printing = [], time.monotonic(), threading.Lock()
     def check(name, launcher, flags, passed, **how):
         begin = time.monotonic()
         status, metrics, log = run(name, launcher, flags, args.data_dir, args.timeout, **how)
-        print(row_line(name, launcher, flags, status, metrics, time.monotonic() - begin), flush=True)
+        with printing:
+            print(row_line(name, launcher, flags, status, metrics, time.monotonic() - begin), flush=True)
         if not passed(status, metrics, log):
             failed.append((name, log))
-    for name, launcher, flags, refusal in table:
+    def row_check(name, launcher, flags, refusal):
         if refusal:   # one line, status 1, before any training
             check(name, launcher, flags, lambda status, m, log: status == 1 and refusal in log and "epoch" not in log)
         else:
             check(name, launcher, flags, lambda status, metrics, log: status == 0 and metrics is not None)
-    if not args.only or "ddp_resnet stop".startswith(args.only):
+    def stop_then_resume():
         launcher, flags = stop_and_resume(gpus)
         out = os.path.join(OUT, "ddp_resnet_stop")
         check("ddp_resnet SIGTERM after step 20", launcher, flags, lambda status, m, log: (
             "stopped by SIGTERM at step" in log and "exitcode  : 75" in log), out=out, until="checkpoint: step 20 ")
         check("ddp_resnet --resume", launcher, flags + ["--resume"], lambda status, metrics, log: (
             status == 0 and "resumed from" in log), out=out)
-    if not args.only or "ddp_resnet, the README's".startswith(args.only):
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        done = []
+        if not args.only or "ddp_resnet stop".startswith(args.only):   # the longest chain first
+            done.append(pool.submit(stop_then_resume))
+        done += [pool.submit(row_check, *row) for row in table]
+        for future in done:
+            future.result()
+    if not args.only or "ddp_resnet, the README's".startswith(args.only):   # alone: its seconds are the README's
         check("ddp_resnet, the README's full run (5 epochs)", 1, ["ddp_resnet.py"],
               lambda status, metrics, log: status == 0 and metrics is not None, out=os.path.join(OUT, "full"))
     for name, log in failed:
