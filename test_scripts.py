@@ -173,10 +173,12 @@ GPU_PAGES = [   # (page, GPUs, flags): each page with its GPU flags
     " ".join([page.__name__, f"{gpus}gpu"] + [f for f in flags if f.startswith("--") and f not in GPU_RESNET])
     for page, gpus, flags in GPU_PAGES])
 def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, monkeypatch, tmp_path):
-    """The page's own main(), as on a machine with `gpus` GPUs (tests/as_on_a_gpu.py: what it sees and what it cannot):
-    its loader, loop, steps, sums, collectives and evaluation forwards all run on the "GPU", so the first thing that
-    fails is the read-back of the evaluation's count, which meta cannot give. A batch left on the CPU, a count made
-    there, a CPU tensor handed to NCCL fail earlier, naming the op."""
+    """The page's own main(), as on a machine with `gpus` GPUs (tests/as_on_a_gpu.py): its loader, loop, steps, sums,
+    collectives and evaluation forwards all run on the "GPU", so the first thing that fails is the read-back of the
+    evaluation's count, which meta cannot give. A batch left on the CPU, a count made there, a CPU tensor handed to
+    NCCL fail earlier, naming the op. It cannot see a cuda:0/cuda:1 mix-up (one meta device stands for all), the
+    page's branches on `device.type == "cuda"` (they take their CPU side), CUDA's autocast rules, or NCCL between
+    processes (one process); ft_ddp_resnet.py trains on CPUs by design and is not here."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     if page not in (scratch_lenet, dp_resnet):   # one rank of a launcher, its own port
