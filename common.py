@@ -199,11 +199,11 @@ def accuracy(predict, batches, device, world_size):
     return correct / count
 
 # ---------------------------------------------------------------- the model and the recipe
-def resnet(arch, classes, seed, channels=3, image_size=224):
+def resnet(arch, classes, seed, channels=3, image_size=224, **options):
     """Up to 64x64 pixels: a 3x3 stride-1 stem and no max-pool (torchvision's shrink 32x32 to 8x8 at once)."""
     import torchvision
     torch.manual_seed(seed)   # every rank the same weights
-    net = torchvision.models.get_model(arch, num_classes=classes)
+    net = torchvision.models.get_model(arch, num_classes=classes, **options)   # torchvision's: zero_init_residual, ...
     small = image_size <= 64
     if small or channels != 3:
         net.conv1 = torch.nn.Conv2d(channels, net.conv1.out_channels, kernel_size=3 if small else 7,
@@ -213,13 +213,13 @@ def resnet(arch, classes, seed, channels=3, image_size=224):
         net.maxpool = torch.nn.Identity()
     return net
 
-def sgd_recipe(net, lr, weight_decay, warmup_steps, total_steps):
+def sgd_recipe(net, lr, weight_decay, warmup_steps, total_steps, nesterov=False):
     """SGD with momentum, a linear warm-up (large batches diverge without one), then cosine to zero; no
     weight decay on BatchNorm and biases (the 1-D parameters: decaying them only fights the normalisation)."""
     params = list(net.parameters())
     optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
                                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-                                lr=lr, momentum=0.9)
+                                lr=lr, momentum=0.9, nesterov=nesterov)
     def factor(step):   # of optimizer step `step`, counted from 0
         if step < warmup_steps:
             return (step + 1) / warmup_steps

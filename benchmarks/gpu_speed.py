@@ -173,7 +173,8 @@ def time_row(row, device, vote_group, data, args):
     optimizer, scheduler = common.sgd_recipe(net, 0.05 * row.batch / 256, 5e-4, 0, steps_per_epoch * EPOCHS)
     for group in optimizer.param_groups:
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
-    flags = ddp_resnet.parse_args(["--batch-size", str(row.batch)])   # no --compile: the row compiles with its mode
+    # no --compile: the row compiles with its mode
+    flags = ddp_resnet.parse_args(["--batch-size", str(row.batch)] + (["--amp"] if row.amp else []))
     ddp_model, _, _ = ddp_resnet.wrap(net, flags, device, "nccl", False, False)
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
     totals = torch.zeros(3, device=device, dtype=torch.float64)
@@ -183,10 +184,10 @@ def time_row(row, device, vote_group, data, args):
 
     def step():
         if row.bare:
-            train_step(model, ddp_model, optimizer, X_fixed, y_fixed, 1, row.amp, totals)
+            train_step(model, ddp_model, optimizer, X_fixed, y_fixed, flags, totals)
             return
         X, y = next(drawn)
-        train_step(model, ddp_model, optimizer, X.contiguous(memory_format=memory_format), y, 1, row.amp, totals)
+        train_step(model, ddp_model, optimizer, X.contiguous(memory_format=memory_format), y, flags, totals)
         scheduler.step()
         stop_vote(vote_group)
 
