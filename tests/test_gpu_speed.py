@@ -1,5 +1,5 @@
 """benchmarks/gpu_speed.py where there is no GPU: the FLOP count of a training sample, then one line, exit 0."""
-import re
+import gzip, json, re
 import torch
 import common
 from helpers import assert_ok, run
@@ -35,3 +35,25 @@ def test_gpu_speed_without_a_gpu_counts_the_flops_of_a_training_sample_and_says_
     assert 1.99 * expected_forward < backward < 2 * expected_forward
     assert abs(total - forward - backward) < 2e6
     assert 2.6e9 < total < 2.85e9
+
+
+def test_gpu_speed_profiles_the_step_on_a_cpu_into_a_trace_and_a_summary(tmp_path):
+    """--profile where there is no GPU: the step profiled on the CPU, each part of it labelled; a Chrome trace (gzip
+    JSON) and a summary per row, whose first line is printed; then the line that says the table was not timed."""
+    result = run(["python", "benchmarks/gpu_speed.py", "--profile", str(tmp_path), "--profile-rows", "default@4",
+                  "--warmup", "1", "--profile-steps", "2"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "gpu_speed: no GPU here, the table not timed"
+    summary = (tmp_path / "profile_default_at_4.txt").read_text().splitlines()
+    assert summary[0] in lines
+    found = re.fullmatch(r"profile default@4 \(batch 4\), 2 steps under torch.profiler on cpu: a step ([\d.]+) ms; "
+                         r"the host in it ([\d.]+) ms \(its parts, ms: next batch ([\d.]+), train_step ([\d.]+), "
+                         r"scheduler.step ([\d.]+), stop vote ([\d.]+)\); the device busy 0.00 ms, 0 kernels and "
+                         r"copies; host syncs 0", summary[0])
+    wall, host, *parts = (float(g) for g in found.groups())
+    assert sum(parts) <= host <= wall   # the parts inside the step, the step inside the wall-clock time
+    assert "aten::convolution_backward" in "\n".join(summary)
+    with gzip.open(tmp_path / "trace_default_at_4.json.gz") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {"step", "next batch", "train_step", "scheduler.step", "stop vote"} <= names
