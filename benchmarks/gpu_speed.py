@@ -13,7 +13,8 @@ runs today: convolutions in TF32, cuDNN's default; matmuls in fp32), fp32 (convo
 (matmuls in TF32 too), bf16 (autocast, --amp), cl (channels_last, --channels-last), fused (SGD's fused kernel;
 CUDA's default is foreach), compile (torch.compile, --compile), cudagraphs (mode "reduce-overhead"), autotune
 (mode "max-autotune-no-cudagraphs": minutes of autotuning), bare (train_step alone; without it each step also
-takes the loop's work around it), gpudata (the training images held in the GPU's memory, each batch indexed there).
+takes the loop's work around it), gpudata (the training images held in the GPU's memory, each batch indexed there),
+cudnn (torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new shape, in the warm-up steps).
 
 Each row: ResNet-18 for 1x28x28 images (common.resnet), common.sgd_recipe at lr 0.05 x batch/256, wrapped in DDP
 over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
@@ -74,11 +75,12 @@ class Row:
     compile: str = None   # torch.compile's mode, or None
     bare: bool = False
     gpudata: bool = False
+    cudnn_benchmark: bool = False
 
 SETTINGS = {"default": {}, "fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"}, "bf16": {"amp": True},
             "cl": {"channels_last": True}, "fused": {"fused": True}, "compile": {"compile": "default"},
             "cudagraphs": {"compile": "reduce-overhead"}, "autotune": {"compile": "max-autotune-no-cudagraphs"},
-            "bare": {"bare": True}, "gpudata": {"gpudata": True}}
+            "bare": {"bare": True}, "gpudata": {"gpudata": True}, "cudnn": {"cudnn_benchmark": True}}
 
 def parse_rows(text):   # "default,bf16+cl@512" -> [Row, Row]
     rows = []
@@ -179,6 +181,7 @@ def make_step(row, device, vote_group, data):
     """A function that takes one of the row's steps, as ddp_resnet.py's loop takes them, each part of it labelled
     for torch.profiler (a few microseconds a step when no profiler runs)."""
     set_precision(row.precision)
+    torch.backends.cudnn.benchmark = row.cudnn_benchmark
     if row.compile:
         torch.compiler.reset()   # each row compiles its own model, as a run does
     memory_format = torch.channels_last if row.channels_last else torch.contiguous_format
