@@ -52,6 +52,8 @@ ROWS = ("default,fp32,tf32,bf16,cl,bf16+cl,bf16+cl+fused,default+bare,default+gp
         "default@1024,bf16+cl+fused@512,bf16+cl+fused@1024,bf16+cl+fused+compile,bf16+cl+fused+cudagraphs")
 QUICK = "default,bf16+cl+fused,bf16+cl+fused@1024"
 PROFILE = "default,bf16+cl+fused,bf16+cl+fused@1024"   # the README's step, and the bf16 step at 256 and 1024
+PARTS = ("next batch", "train_step", "scheduler.step", "stop vote")   # the labels make_step gives a step's parts
+LABELS = ("step",) + PARTS
 TRAIN_IMAGES, EPOCHS = 60_000, 5   # Fashion-MNIST's training set; ddp_resnet.py's default epochs (the schedule)
 
 # Dense tensor-core TF32 and BF16, and FP32 (no tensor cores), in TFLOP/s, from NVIDIA's datasheets ("NVIDIA H100
@@ -155,8 +157,12 @@ def kernel_time(step, steps, device):
         synchronize(device)
     return busy_and_kernels(trace, steps)
 
+def is_device_work(event):   # a kernel or a copy, not a label's span (torch.profiler draws those on the GPU too)
+    labelled = event.name in LABELS or getattr(event, "is_user_annotation", False)
+    return event.device_type == DeviceType.CUDA and not labelled
+
 def busy_and_kernels(trace, steps):   # (seconds a step the device is busy, kernels and copies a step) of a trace
-    spans = sorted((e.time_range.start, e.time_range.end) for e in trace.events() if e.device_type == DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in trace.events() if is_device_work(e))
     busy, reached = 0, float("-inf")
     for start, end in spans:   # overlapping kernels (other streams) count once
         if end > reached:
@@ -224,7 +230,6 @@ def time_row(row, device, vote_group, data, args):
     busy, kernels = kernel_time(step, 5, device)
     return seconds, busy, kernels, host_syncs(step, device)
 
-PARTS = ("next batch", "train_step", "scheduler.step", "stop vote")   # the labels make_step gives a step's parts
 
 def profile_row(row, step, steps, device, folder):
     """torch.profiler over `steps` steps: the Chrome trace (open it in ui.perfetto.dev) and a summary, both in
@@ -242,7 +247,7 @@ def profile_row(row, step, steps, device, folder):
         synchronize(device)
     wall = (time.perf_counter() - start) / steps
     trace.export_chrome_trace(os.path.join(folder, f"trace_{name}.json.gz"))
-    averages = {event.key: event for event in trace.key_averages()}
+    averages = {event.key: event for event in trace.key_averages() if event.device_type == DeviceType.CPU}
     busy, kernels = busy_and_kernels(trace, steps)
     host = averages["step"].cpu_time_total / 1e6 / steps
     parts = ", ".join(f"{part} {averages[part].cpu_time_total / 1e3 / steps:.2f}" for part in PARTS if part in averages)
