@@ -92,7 +92,7 @@ def fashion_mnist(data_dir=None, train_samples=None, test_samples=None):
                      f" Do one of:\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks dataset-fashion-mnist"
                      f" there)\n- on a machine with internet: python -c \"import torchvision; torchvision.datasets."
                      f"FashionMNIST('data', download=True)\", then copy data/ here")
-        images = (data.data[:n].float() / 255 - MEAN) / STD
+        images = data.data[:n].float().div_(255).sub_(MEAN).div_(STD)   # in place: no temporaries of 190 MB
         sets.append(TensorDataset(images.unsqueeze(1), data.targets[:n]))
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"data: Fashion-MNIST from {os.path.abspath(raw)}", flush=True)
