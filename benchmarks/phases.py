@@ -1,24 +1,23 @@
 """Where a run of ddp_resnet.py spends its time, phase by phase, from the command to its `done:` line and exit.
 
     python benchmarks/phases.py                   # the README's full run, timed (about 30 s on one H200)
-    python benchmarks/phases.py --quick           # a small part, 2 epochs (about a minute on 2 CPU cores)
+    python benchmarks/phases.py --quick --repeats 3   # a small part, 2 epochs, 3 runs (2 CPU cores: ~2 min)
     python benchmarks/phases.py --nproc 2 -- --batch-size 1024 --amp --channels-last   # ddp_resnet.py's flags
 
 It runs `torchrun --standalone --nproc_per_node=N benchmarks/phases.py FLAGS`; each rank imports ddp_resnet and
 calls its main(FLAGS), the page's functions wrapped to note the time where they start or end (the page is not
 changed). The table's phases run from one of rank 0's notes to the next, so they add up to the whole: from the
-moment the command starts to its `done:` line, then to torchrun's return. The one change to the run: a CUDA
-synchronisation after the first --first-steps steps, which times them apart from the steady ones. Below the table:
-the page's own training seconds (its epoch lines') and what lies outside them; what its checkpoints and outputs
-spent in torch.save and in fsync.
+moment the command starts to its `done:` line, then to torchrun's return (rank 0's exit told apart through /proc).
+The one change to the run: a CUDA synchronisation after the first --first-steps steps, which times them apart from
+the steady ones. Below the table: the page's own training seconds (its epoch lines') and what lies outside them;
+what its checkpoints and outputs spent in torch.save and in fsync. --repeats N: each phase's median of N runs.
 """
-import time
-FIRST_LINE = time.time()   # before any import: python's own start is told apart from the imports
-import argparse, collections, contextlib, functools, json, os, platform, subprocess, sys
+import argparse, collections, contextlib, functools, json, os, platform, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUICK = ["--train-samples", "512", "--test-samples", "500", "--batch-size", "64", "--epochs", "2"]
+QUICK = ["--train-samples", "256", "--test-samples", "250", "--batch-size", "64", "--epochs", "2"]
 NOTES = []   # (what happened since the previous note, when it ended)
+DONE = "curves.png (drawn, saved), the done: line"
 WRITES = collections.defaultdict(float)   # (file, "torch.save" or "fsync"): seconds
 WRITING = [None]   # the file common.save_atomically is writing
 
@@ -72,29 +71,24 @@ def rank_side(flags, first_steps, notes_path):
     started = process_start()
     if started:
         note("torchrun: its python, import torch, the rendezvous, the rank's start", started)
-    note("the rank's python, up to its first line", FIRST_LINE)
     import torch
-    note("import torch")
+    note("the rank's python, import torch")
     sys.path.insert(0, ROOT)
     import common
     import ddp_resnet
     note("import ddp_resnet: torchvision, common (matplotlib), torch.distributed")
-    dist = torch.distributed
     epochs, steps, evaluated, finishing = [0], [0], [False], [False]   # what the notes say depends on them
 
     def synchronize():
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def step_notes(when):   # train_step: a note before the first, and after the first `first_steps` (synchronised)
+    def step_notes():   # train_step: a note after the first `first_steps`, synchronised
         evaluated[0] = False
-        if when == "before" and steps[0] == 0:
-            return "the banner, the epoch's start, the first batch to the device"
-        if when == "after":
-            steps[0] += 1
-            if steps[0] == first_steps:
-                synchronize()
-                return f"the first {first_steps} step(s), then synchronised"
+        steps[0] += 1
+        if steps[0] == first_steps:
+            synchronize()
+            return f"the banner, the first batch, the first {first_steps} step(s) (synchronised)"
         return None
 
     def epoch_start(*args, **kwargs):
@@ -111,27 +105,23 @@ def rank_side(flags, first_steps, notes_path):
     def written(write, path):   # the outputs by name; any other file is the checkpoint
         name = os.path.basename(path)
         outputs = {"metrics.json": "the last barrier, metrics.json", "model.pt": "model.pt (the weights to the CPU)",
-                   "curves.png": "curves.png (drawn, saved)"}
+                   "curves.png": None}   # the next note, at the done: line, says it
         if name in outputs and finishing[0]:
             return outputs[name]
         if evaluated[0]:
             return f"epoch {epochs[0]}: its line, the checkpoint ({name}: gathered, saved, synced)"
         return f"epoch {epochs[0] + 1}: steps, then a checkpoint ({name}) at step {steps[0]}"
 
-    wrap(common, "pick_device", after="the device (on CUDA: its context, torch.cuda.set_device)")
-    wrap(dist, "init_process_group", after="the process group (init_process_group; NCCL's, on CUDA)")
-    wrap(common, "load_on_every_rank", before="the stop vote's gloo group (StopSignal), the output folders",
+    wrap(common, "pick_device", after="the device (on CUDA: its context, set_device)")
+    wrap(common, "load_on_every_rank", before="the process group, the stop vote's (on CUDA: NCCL's, gloo's)",
          after="the data (datasets(), on every rank)")
-    wrap(common, "resnet", before="the loaders", after="the model built (common.resnet)")
-    wrap(common, "sgd_recipe", after="the model to the device, the optimizer")
-    wrap(ddp_resnet, "wrap", before="every rank's device gathered, the metrics, the checkpoint's flags",
+    wrap(ddp_resnet, "wrap", before="the loaders, the model on the device, the optimizer, the metrics",
          after="the DDP wrap (rank 0's weights broadcast)")
-    wrap(ddp_resnet, "train_step", before=lambda *a, **k: step_notes("before"),
-         after=lambda *a, **k: step_notes("after"))
+    wrap(ddp_resnet, "train_step", after=lambda *a, **k: step_notes())
     wrap(ddp_resnet, "end_of_epoch", before=epoch_start,
          after=lambda *a, **k: f"epoch {epochs[0]}: the evaluation (sums, BatchNorm's buffers, the test set)")
     wrap(common, "save_atomically", before=writing, after=written)
-    wrap(common, "finish", before=lambda *a, **k: finishing.__setitem__(0, True), after="the done: line")
+    wrap(common, "finish", before=lambda *a, **k: finishing.__setitem__(0, True), after=DONE)
     timed_into(torch, "save", "torch.save")
     timed_into(common, "sync", "fsync")
     ddp_resnet.main(flags)
@@ -153,28 +143,43 @@ def machine(torch):
 
 
 # ---------------------------------------------------------------- the command, and the table
-def table(run, command_start, returned, first_steps):
-    """The phases' lines, from the rank's notes and the command's start and end."""
+def phases_of(run, command_start, returned):
+    """[(phase, seconds)] from the rank's notes and the command's start and end; the done: line's at its place."""
     notes = [("", command_start)] + [tuple(n) for n in run["notes"]]
     if run.get("exited"):
         notes.append(("after it: the rank's python exits", run["exited"]))
     notes.append(("after it: torchrun's end" if run.get("exited") else "after it: the rank's exit, torchrun's end",
                   returned))
-    done = next(when for what, when in notes if what == "the done: line")
-    width = max(len(what) for what, _ in notes)
-    lines = [f"{'phase':{width}} {'s':>7} {'share':>6}"]
-    for (_, before), (what, when) in zip(notes, notes[1:]):
-        lines.append(f"{what:{width}} {when - before:7.2f} {100 * (when - before) / (done - command_start):5.1f}%")
-        if what == "the done: line":
-            lines.append(f"{'= from the command to its done: line':{width}} {done - command_start:7.2f} 100.0%")
-    lines.append(f"{'= from the command to its end':{width}} {returned - command_start:7.2f}")
-    return lines, done - command_start
+    return [(what, when - before) for (_, before), (what, when) in zip(notes, notes[1:])]
+
+
+def table(runs):
+    """Each phase's median over the runs (and each run's seconds, if more than one), its share of the median time
+    from the command to the done: line, then that time and the time to the end."""
+    names = [what for what, _ in runs[0]]
+    done = names.index(DONE)
+    columns = [[seconds for _, seconds in phases] for phases in runs]
+    to_done = statistics.median(sum(c[:done + 1]) for c in columns)
+    width = max(map(len, names))
+    each = f"  {'runs':>{8 * len(runs)}}" if len(runs) > 1 else ""
+    lines = [f"{'phase':{width}} {'s':>7} {'share':>6}{each}"]
+    for i, name in enumerate(names):
+        seconds = statistics.median(c[i] for c in columns)
+        values = "  " + "".join(f"{c[i]:8.2f}" for c in columns) if len(runs) > 1 else ""
+        lines.append(f"{name:{width}} {seconds:7.2f} {100 * seconds / to_done:5.1f}%{values}")
+        if i == done:
+            totals = "  " + "".join(f"{sum(c[:done + 1]):8.2f}" for c in columns) if len(runs) > 1 else ""
+            lines.append(f"{'= from the command to its done: line':{width}} {to_done:7.2f} 100.0%{totals}")
+    to_end = [sum(c) for c in columns]
+    lines.append(f"{'= from the command to its end':{width}} {statistics.median(to_end):7.2f}" +
+                 ("         " + "".join(f"{t:8.2f}" for t in to_end) if len(runs) > 1 else ""))
+    return lines
 
 
 def summary(run, metrics, to_done, first_steps):
     training = sum(e["seconds"] for e in metrics["epochs"])
     first = next(when - before for (_, before), (what, when) in zip(run["notes"], run["notes"][1:])
-                 if what.startswith(f"the first {first_steps} step"))
+                 if f"the first {first_steps} step(s)" in what)
     steady = (training - first) / max(1, run["steps"] - first_steps)
     lines = [f"training, the page's own epoch seconds: {training:.2f} s ({run['steps']} steps, "
              f"{metrics['samples_per_s']:,.0f} samples/s); outside it: {to_done - training:.2f} s of {to_done:.2f}",
@@ -183,9 +188,9 @@ def summary(run, metrics, to_done, first_steps):
     by_file = collections.defaultdict(dict)
     for name, kind, seconds in run["writes"]:
         by_file[name][kind] = seconds
-    for name, kinds in by_file.items():   # every write of the file, summed
-        parts = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in sorted(kinds.items()))
-        lines.append(f"{name}, all its writes: {parts}")
+    files = [f"{name} " + ", ".join(f"{kind} {seconds:.2f}" for kind, seconds in sorted(kinds.items()))
+             for name, kinds in by_file.items()]
+    lines.append("in torch.save and fsync, s (each file's writes summed): " + "; ".join(files))
     return lines
 
 
@@ -213,6 +218,7 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=1, help="torchrun's --nproc_per_node")
     p.add_argument("--quick", action="store_true", help=f"ddp_resnet.py {' '.join(QUICK)} first")
     p.add_argument("--first-steps", type=int, help="steps timed apart at the start (default 10; --quick: 2)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of the command, one after another")
     p.add_argument("--json", help="also write the notes and the table here")
     p.add_argument("flags", nargs="*", help="ddp_resnet.py's flags, after --")
     args = p.parse_args(argv)
@@ -226,24 +232,34 @@ def main(argv=None):
     command = ["torchrun", "--standalone", f"--nproc_per_node={args.nproc}", "ddp_resnet.py", *flags]
     print(f"phases: {' '.join(command)}  (as benchmarks/phases.py)", flush=True)
     env = {**os.environ, "PHASES_NOTES": notes_path, "PHASES_FIRST_STEPS": str(first_steps), "PYTHONUNBUFFERED": "1"}
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(notes_path)
-    start = time.time()
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *flags], cwd=ROOT, env=env)
-    exited = rank_exit(job, notes_path)
-    returned = time.time()
-    if job.returncode:
-        print(f"phases: the run ended with exit status {job.returncode}")
-        return 1
-    run = {**json.load(open(notes_path)), "exited": exited}
-    metrics = json.load(open(os.path.join(ROOT, out, "metrics.json")))
-    lines, to_done = table(run, start, returned, first_steps)
-    lines += summary(run, metrics, to_done, first_steps)
-    print(f"\nphases of {' '.join(command)}\non {run['machine']}, {time.strftime('%Y-%m-%d')}\n\n" + "\n".join(lines))
+    runs = []
+    for _ in range(args.repeats):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(notes_path)
+        start = time.time()
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc_per_node={args.nproc}", os.path.abspath(__file__), *flags], cwd=ROOT, env=env)
+        exited = rank_exit(job, notes_path)
+        returned = time.time()
+        if job.returncode:
+            print(f"phases: the run ended with exit status {job.returncode}")
+            return 1
+        run = {**json.load(open(notes_path)), "exited": exited}
+        metrics = json.load(open(os.path.join(ROOT, out, "metrics.json")))
+        phases = phases_of(run, start, returned)
+        to_done = sum(seconds for _, seconds in phases[:[w for w, _ in phases].index(DONE) + 1])
+        runs.append((to_done, phases, run, metrics))
+    to_done, _, run, metrics = sorted(runs, key=lambda r: r[0])[len(runs) // 2]   # the median run's details
+    lines = table([phases for _, phases, _, _ in runs]) + summary(run, metrics, to_done, first_steps)
+    repeats = ""
+    if args.repeats > 1:
+        repeats = f", {args.repeats} runs (the median of each phase; below the table, the median run's figures)"
+    print(f"\nphases of {' '.join(command)}\non {run['machine']}, {time.strftime('%Y-%m-%d')}{repeats}\n\n" +
+          "\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**run, "command": command, "table": lines}, f, indent=1)
+            json.dump({"command": command, "table": lines, "runs": [{**r, "phases": p} for _, p, r, _ in runs]}, f,
+                      indent=1)
     return 0
 
 
