@@ -104,8 +104,8 @@ def rank_side(flags, first_steps, notes_path):
 
     def written(write, path):   # the outputs by name; any other file is the checkpoint
         name = os.path.basename(path)
-        outputs = {"metrics.json": "the last barrier, metrics.json", "model.pt": "model.pt (the weights to the CPU)",
-                   "curves.png": None}   # the next note, at the done: line, says it
+        outputs = {"metrics.json": None, "curves.png": None,   # the note after each says it
+                   "model.pt": "the last barrier, metrics.json, model.pt (the weights to the CPU)"}
         if name in outputs and finishing[0]:
             return outputs[name]
         if evaluated[0]:

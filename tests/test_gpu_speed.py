@@ -104,7 +104,7 @@ def test_phases_of_a_small_run_add_up_to_its_time_from_the_command_to_its_done_l
                      "the data (datasets(), on every rank)", "the DDP wrap (rank 0's weights broadcast)",
                      "the banner, the first batch, the first 1 step(s) (synchronised)", "epoch 1: its other 1 steps",
                      "epoch 2: the evaluation (sums, BatchNorm's buffers, the test set)",
-                     "model.pt (the weights to the CPU)", "curves.png (drawn, saved), the done: line"):
+                     "the last barrier, metrics.json, model.pt (the weights to the CPU)", "curves.png (drawn, saved), the done: line"):
         assert expected in named, (expected, named)
     before_done = [float(m.group(2)) for m in phases[:named.index("curves.png (drawn, saved), the done: line") + 1]]
     total = float(re.search(r"= from the command to its done: line +([\d.]+)", result.stdout).group(1))
