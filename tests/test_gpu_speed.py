@@ -71,7 +71,7 @@ def test_the_sweep_without_a_gpu_says_what_it_would_run_and_runs_nothing():
     assert "x 3 seeds" in lines[2] and "on one H200 in all" in lines[3]
 
 
-def test_the_sweeps_runs_in_one_process_train_as_the_page_run_alone_does(tmp_path):
+def test_a_second_run_in_the_sweeps_process_trains_as_the_same_command_alone(tmp_path):
     """recipe_sweep.py --quick calls ddp_resnet.main() for seed 0, then seed 1, in one process: the second run ends
     with the training loss and test accuracy of the same command run alone (nothing carries over from the first)."""
     sweep = run(["python", "benchmarks/recipe_sweep.py", "--quick", "--settings", "1024 w1 nzs", "--data-dir", DATA,
