@@ -30,11 +30,11 @@ if [ "$(ls data/FashionMNIST/raw | wc -l)" -lt 4 ]; then
 fi
 timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$RESULTS/gpu.csv"
 
-part() {   # part NAME SECONDS COMMAND...: its output shown and kept in $RESULTS/NAME.log, its exit status said
-    local name=$1 seconds=$2
+part() {   # part NAME SECONDS COMMAND...: its output kept in $RESULTS/NAME.log and shown (less the profiler's
+    local name=$1 seconds=$2   # own log lines), then its exit status
     shift 2
     echo "== $name (timeout $seconds s): $*"
-    timeout "$seconds" "$@" 2>&1 | grep --line-buffered -v -E "^(USDT|ERROR|WARNING):" | tee "$RESULTS/$name.log"
+    timeout "$seconds" "$@" 2>&1 | tee "$RESULTS/$name.log" | grep --line-buffered -v -E "^(USDT|ERROR|WARNING):[0-9]"
     echo "== $name: exit status ${PIPESTATUS[0]}" | tee -a "$RESULTS/$name.log"
 }
 
