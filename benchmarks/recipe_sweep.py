@@ -41,8 +41,8 @@ SETTINGS = [   # (name, ddp_resnet.py's flags), in the order they run: a --budge
 GPU_FLAGS = ["--amp", "--channels-last"]
 QUICK = {"settings": ["1024 w1", "1024 w1 nzs"], "seeds": [0, 1],
          "flags": ["--train-samples", "128", "--test-samples", "100", "--epochs", "1"], "batch_over": 32}
-# Seconds of training on one H200 with --amp --channels-last, from its full runs of 2026-11-27 (benchmarks/README.md),
-# and a guess at each run's seconds outside its training in this process: for the plan's estimate only.
+# Seconds of training on one H200 with --amp --channels-last (full runs of 2026-11-27, torch 2.11, no warm-up), and
+# a guess at each run's seconds outside its training in this process: for the plan's estimate only.
 H200_TRAINING, OUTSIDE = {512: 9.6, 1024: 5.9}, 3.0
 
 
