@@ -127,7 +127,7 @@ def bytes_sent_per_step(net, args, powersgd, steps, world_size):
 def train_step(model, ddp_model, optimizer, X, y, args, totals):
     """Forward and backward in --accum-steps micro-batches, one optimizer step; sums kept on the device (no sync)."""
     optimizer.zero_grad(set_to_none=True)
-    for i in range(args.accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of them takes them
+    for i in range(args.accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of that many would
         X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
         # DDP: no gradient allreduce but on the last micro-step; it sums them all at once
         with contextlib.nullcontext() if i == args.accum_steps - 1 else ddp_model.no_sync():
