@@ -124,17 +124,17 @@ def bytes_sent_per_step(net, args, powersgd, steps, world_size):
     return {f"all_reduce ({world_size} ranks)": sent} if world_size > 1 else {}
 
 # ---------------------------------------------------------------- one optimizer step
-def train_step(model, ddp_model, optimizer, X, y, accum_steps, amp, totals):
-    """Forward and backward in accum_steps micro-batches, one optimizer step; sums kept on the device (no GPU sync)."""
+def train_step(model, ddp_model, optimizer, X, y, args, totals):
+    """Forward and backward in --accum-steps micro-batches, one optimizer step; sums kept on the device (no sync)."""
     optimizer.zero_grad(set_to_none=True)
-    for i in range(accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of accum_steps takes them
-        X_micro, y_micro = X[i::accum_steps], y[i::accum_steps]
+    for i in range(args.accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of that many would
+        X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
         # DDP: no gradient allreduce but on the last micro-step; it sums them all at once
-        with contextlib.nullcontext() if i == accum_steps - 1 else ddp_model.no_sync():
-            with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
+        with contextlib.nullcontext() if i == args.accum_steps - 1 else ddp_model.no_sync():
+            with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
                 logits = model(X_micro)
-                loss = F.cross_entropy(logits, y_micro)
-            (loss / accum_steps).backward()   # the mean over the whole rank batch
+                loss = F.cross_entropy(logits, y_micro, label_smoothing=args.label_smoothing)
+            (loss / args.accum_steps).backward()   # the mean over the whole rank batch
         totals[0] += loss.detach() * len(y_micro)
         totals[1] += (logits.argmax(1) == y_micro).sum()
         totals[2] += len(y_micro)   # a Python number: no copy to the device
@@ -176,7 +176,8 @@ def train(args):
     steps_per_epoch = len(train_set) // args.batch_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 
-    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1])
+    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1],
+                        zero_init_residual=args.zero_init_residual)   # each block's last BatchNorm from 0
     if args.sync_bn and device.type == "cuda":
         net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
     elif args.sync_bn and master:
@@ -184,7 +185,7 @@ def train(args):
     net = net.to(device, memory_format=memory_format)
     lr = args.lr * args.batch_size / 256   # --lr is for 256 samples (the linear scaling rule)
     optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
-                                             steps_per_epoch * args.epochs)
+                                             steps_per_epoch * args.epochs, args.nesterov)
     devices = common.every_rank(str(device), world_size)   # each rank's own
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     # a resume must match them; BatchNorm normalises each micro-batch (of all ranks' with --sync-bn on CUDA)
@@ -222,8 +223,7 @@ def train(args):
         batch_in_epoch = done
         for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True), args.accum_steps, args.amp,
-                       totals)
+            train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True), args, totals)
             scheduler.step()   # the learning rate of the next step
             step += 1
             signalled = stop.agreed() if step < final_step else None   # DDP: one answer on all ranks
@@ -256,8 +256,10 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
     p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
-    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
-                   help="raise the learning rate linearly from ~0 over these epochs (5 for batches of 8k)")
+    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0, help="linear, from ~0 (5 for 8k)")
+    p.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+    p.add_argument("--label-smoothing", type=common.non_negative_float, default=0.0, help="of the loss, 0 to 1")
+    p.add_argument("--zero-init-residual", action="store_true", help="each residual block starts as the identity")
     p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
     p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
@@ -269,16 +271,13 @@ def parse_args(argv=None):
     p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
     p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
     p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--accum-steps", type=common.positive_int, default=1,
-                   help="gradient accumulation: micro-batches per rank's batch")
+    p.add_argument("--accum-steps", type=common.positive_int, default=1, help="gradient accumulation's micro-batches")
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
-                   "else gloo; gloo on GPUs lets several ranks share one")
-    p.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
-                   help="compress the gradients DDP sends: to 16 bits, or PowerSGD's low-rank factors")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, else gloo (can share a GPU)")
+    p.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"), help="compress the gradients DDP sends")
     p.add_argument("--powersgd-rank", type=common.positive_int, default=4, help="PowerSGD: the rank of the factors")
     p.add_argument("--powersgd-start", type=int, default=10, help="PowerSGD: plain allreduce for this many steps "
                    "first (at least 2; PyTorch suggests ~10%% of the training)")

@@ -5,6 +5,8 @@ tests/ (faults, own data, several machines, slow links, the README), whose helpe
 import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading, traceback
 import pytest
 import torch
+import torch.nn.functional as F
+import torchvision
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 import common
 import ddp_resnet
@@ -464,6 +466,60 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance
     expected = RESNET_BYTES if nproc > 1 else 0   # every gradient, once per step; one rank sends nothing
     assert sent == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES} if nproc > 1 else {})
     assert f"{expected / 1e6:.3g} MB to collectives per step and rank" in result.stdout
+
+
+def residual_bn_weights(net):   # each residual block's last BatchNorm's weights (ResNet-18's blocks: bn2)
+    return [block.bn2.weight for block in net.modules() if isinstance(block, torchvision.models.resnet.BasicBlock)]
+
+
+def test_the_large_batch_recipe_flags_reach_the_optimizer_the_model_and_the_loss(monkeypatch, tmp_path):
+    """One step of ddp_resnet.main() with --nesterov --label-smoothing 0.1 --zero-init-residual: SGD's groups are
+    Nesterov's; each residual block's last BatchNorm weight starts at 0 (torchvision's zero_init_residual); the loss
+    is cross-entropy against smoothed targets, (1 - 0.1) x -log p(true class) + 0.1 x the mean of -log p over the
+    classes, and it is the training loss reported."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="0").items():
+        monkeypatch.setenv(name, value)
+    made, losses = {}, []
+    def resnet(*args, **kwargs):
+        made["net"] = net = real_resnet(*args, **kwargs)
+        made["bn"] = [w.detach().clone() for w in residual_bn_weights(net)]   # as made, before any step
+        return net
+    def sgd_recipe(*args, **kwargs):
+        made["optimizer"], scheduler = real_sgd_recipe(*args, **kwargs)
+        return made["optimizer"], scheduler
+    def cross_entropy(logits, y, **kwargs):
+        loss = real_cross_entropy(logits, y, **kwargs)
+        losses.append((logits.detach(), y, loss.detach()))
+        return loss
+    real_resnet, real_sgd_recipe, real_cross_entropy = common.resnet, common.sgd_recipe, F.cross_entropy
+    monkeypatch.setattr(common, "resnet", resnet)
+    monkeypatch.setattr(common, "sgd_recipe", sgd_recipe)
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    ddp_resnet.main(RESNET + ["--max-steps", "1", "--nesterov", "--label-smoothing", "0.1", "--zero-init-residual",
+                              "--out", str(tmp_path)])
+    assert len(made["bn"]) == 8 and all((w == 0).all() for w in made["bn"])
+    assert [group["nesterov"] for group in made["optimizer"].param_groups] == [True, True]
+    (logits, y, loss), = losses
+    log_p = logits.float().log_softmax(1)
+    smoothed = 0.9 * -log_p[torch.arange(len(y)), y].mean() + 0.1 * -log_p.mean(1).mean()
+    assert torch.allclose(loss, smoothed, atol=1e-6)
+    assert not torch.allclose(loss, -log_p[torch.arange(len(y)), y].mean(), atol=1e-3)   # not the plain loss
+    assert json.load(open(tmp_path / "metrics.json"))["epochs"][0]["train_loss"] == pytest.approx(loss.item())
+
+
+def test_the_large_batch_recipe_is_off_by_default_and_zero_init_changes_only_the_residual_batchnorms():
+    args = ddp_resnet.parse_args([])
+    assert (args.nesterov, args.label_smoothing, args.zero_init_residual) == (False, 0.0, False)
+    plain, zeroed = fashion_resnet(0), common.resnet("resnet18", 10, 0, channels=1, image_size=28,
+                                                     zero_init_residual=True)
+    assert all((w == 1).all() for w in residual_bn_weights(plain))
+    optimizer, _ = common.sgd_recipe(plain, 0.1, 5e-4, 0, 1)
+    assert [group["nesterov"] for group in optimizer.param_groups] == [False, False]
+    residual = {id(w) for w in residual_bn_weights(zeroed)}
+    same = [name for (name, a), b in zip(zeroed.named_parameters(), plain.parameters())
+            if id(a) not in residual and torch.equal(a, b)]
+    assert len(same) == len(list(plain.parameters())) - 8   # the same seed: every other weight as without it
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(resnet_tolerance, tmp_path):

@@ -1,8 +1,9 @@
-"""benchmarks/gpu_speed.py where there is no GPU: the FLOP count of a training sample, then one line, exit 0."""
-import re
+"""The benchmarks for one GPU, where there is none: gpu_speed.py (the FLOPs of a sample; its profile on the CPU),
+recipe_sweep.py (its plan; --quick trains as the page does) and phases.py (a small run's phases)."""
+import gzip, json, re
 import torch
 import common
-from helpers import assert_ok, run
+from helpers import DATA, assert_ok, run
 
 
 def forward_flops_from_the_layers():
@@ -35,3 +36,81 @@ def test_gpu_speed_without_a_gpu_counts_the_flops_of_a_training_sample_and_says_
     assert 1.99 * expected_forward < backward < 2 * expected_forward
     assert abs(total - forward - backward) < 2e6
     assert 2.6e9 < total < 2.85e9
+
+
+def test_gpu_speed_profiles_the_step_on_a_cpu_into_a_trace_and_a_summary(tmp_path):
+    """--profile where there is no GPU: the step profiled on the CPU, each part of it labelled; a Chrome trace (gzip
+    JSON) and a summary per row, whose first line is printed; then the line that says the table was not timed."""
+    result = run(["python", "benchmarks/gpu_speed.py", "--profile", str(tmp_path), "--profile-rows", "default@4",
+                  "--warmup", "1", "--profile-steps", "2"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "gpu_speed: no GPU here, the table not timed"
+    summary = (tmp_path / "profile_default_at_4.txt").read_text().splitlines()
+    assert summary[0] in lines
+    found = re.fullmatch(r"profile default@4 \(batch 4\), 2 steps under torch.profiler on cpu: a step ([\d.]+) ms; "
+                         r"the host in it ([\d.]+) ms \(its parts, ms: next batch ([\d.]+), train_step ([\d.]+), "
+                         r"scheduler.step ([\d.]+), stop vote ([\d.]+)\); the device busy 0.00 ms, 0 kernels and "
+                         r"copies; host syncs 0", summary[0])
+    wall, host, *parts = (float(g) for g in found.groups())
+    assert sum(parts) <= host <= wall   # the parts inside the step, the step inside the wall-clock time
+    assert "aten::convolution_backward" in "\n".join(summary)
+    with gzip.open(tmp_path / "trace_default_at_4.json.gz") as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert {"step", "next batch", "train_step", "scheduler.step", "stop vote"} <= names
+
+
+def test_the_sweep_without_a_gpu_says_what_it_would_run_and_runs_nothing():
+    result = run(["python", "benchmarks/recipe_sweep.py", "--settings", "1024 w1 nzs", "512 w1 nzs"],
+                 env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("recipe_sweep: no GPU here, nothing run.")
+    assert [line.split()[:3] for line in lines[1:3]] == [["1024", "w1", "nzs"], ["512", "w1", "nzs"]]
+    assert "--batch-size 512 --warmup-epochs 1 --nesterov --zero-init-residual --label-smoothing 0.1" in lines[2]
+    assert "x 3 seeds" in lines[2] and "on one H200 in all" in lines[3]
+
+
+def test_a_second_run_in_the_sweeps_process_trains_as_the_same_command_alone(tmp_path):
+    """recipe_sweep.py --quick calls ddp_resnet.main() for seed 0, then seed 1, in one process: the second run ends
+    with the training loss and test accuracy of the same command run alone (nothing carries over from the first)."""
+    sweep = run(["python", "benchmarks/recipe_sweep.py", "--quick", "--settings", "1024 w1 nzs", "--data-dir", DATA,
+                 "--json", str(tmp_path / "sweep.json"), "--logs", str(tmp_path / "logs")],
+                env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(sweep)
+    ran = json.load(open(tmp_path / "sweep.json"))["1024 w1 nzs"]
+    assert sorted(ran) == ["0", "1"]
+    row = next(line for line in sweep.stdout.splitlines() if line.startswith("1024 w1 nzs ") and "seed" not in line)
+    assert row.split()[3:5] == [f"{ran['0']['test_acc']:.4f}", f"{ran['1']['test_acc']:.4f}"]
+    assert "epoch   1" in (tmp_path / "logs" / "1024_w1_nzs_seed1.log").read_text()   # the page's own lines
+    alone = run(["python", "ddp_resnet.py", "--batch-size", "32", "--warmup-epochs", "1", "--nesterov",
+                 "--zero-init-residual", "--label-smoothing", "0.1", "--train-samples", "128", "--test-samples", "100",
+                 "--epochs", "1", "--data-dir", DATA, "--seed", "1", "--out", str(tmp_path / "alone")])
+    assert_ok(alone)
+    metrics = json.load(open(tmp_path / "alone" / "metrics.json"))
+    assert metrics["epochs"][-1]["train_loss"] == ran["1"]["train_loss"]
+    assert metrics["test_acc"] == ran["1"]["test_acc"]
+
+
+def test_phases_of_a_small_run_add_up_to_its_time_from_the_command_to_its_done_line(tmp_path):
+    result = run(["python", "benchmarks/phases.py", "--first-steps", "1", "--json", str(tmp_path / "phases.json"),
+                  "--", "--train-samples", "64", "--test-samples", "50", "--batch-size", "32", "--epochs", "2",
+                  "--data-dir", DATA, "--out", str(tmp_path / "out")], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert_ok(result)
+    table = result.stdout[result.stdout.index("\nphase "):].splitlines()[1:]
+    phases = [m for m in (re.match(r"(.+?) +(-?[\d.]+) +[\d.]+%$", line) for line in table) if m]
+    named = [m.group(1) for m in phases]
+    for expected in ("the rank's python, import torch", "the device (on CUDA: its context, set_device)",
+                     "the data (datasets(), on every rank)", "the DDP wrap (rank 0's weights broadcast)",
+                     "the banner, the first batch, the first 1 step(s) (synchronised)", "epoch 1: its other 1 steps",
+                     "epoch 2: the evaluation (sums, BatchNorm's buffers, the test set)",
+                     "the last barrier, metrics.json, model.pt (the weights to the CPU)", "curves.png (drawn, saved), the done: line"):
+        assert expected in named, (expected, named)
+    before_done = [float(m.group(2)) for m in phases[:named.index("curves.png (drawn, saved), the done: line") + 1]]
+    total = float(re.search(r"= from the command to its done: line +([\d.]+)", result.stdout).group(1))
+    assert all(seconds >= 0 for seconds in before_done) and abs(sum(before_done) - total) < 0.02
+    metrics = json.load(open(tmp_path / "out" / "metrics.json"))
+    training = sum(e["seconds"] for e in metrics["epochs"])
+    assert f"training, the page's own epoch seconds: {training:.2f} s (4 steps" in result.stdout
+    assert re.search(r"in torch.save and fsync, s \(each file's writes summed\): checkpoint.pt fsync [\d.]+, "
+                     r"torch.save [\d.]+; ", result.stdout)
