@@ -256,7 +256,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
     p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
     p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
-    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0, help="linear, from ~0 (5 for 8k)")
+    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0, help="the lr's linear ramp-up")
     p.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
     p.add_argument("--label-smoothing", type=common.non_negative_float, default=0.0, help="of the loss, 0 to 1")
     p.add_argument("--zero-init-residual", action="store_true", help="each residual block starts as the identity")
