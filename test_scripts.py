@@ -17,7 +17,7 @@ import scratch_lenet
 import scratch_ring
 from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     epoch_batches, fashion_resnet, free_port, load_model, resnet_reference, run,
+                     epoch_batches, fashion_resnet, free_port, images_counted, load_model, resnet_reference, run,
                      scratch_ring_trains_like_one_device)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
@@ -153,7 +153,7 @@ def test_accuracy_counts_exactly_past_float32s_integers():
     n = 2**24 + 1
     X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
     X[:, 0], y[0] = 1, 1
-    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == (n - 1) / n
+    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == [n - 1, n]
 
 
 GPU_RESNET = ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--data-dir",
@@ -191,7 +191,7 @@ def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, 
     ours = [frame for frame in frames if os.path.dirname(frame.filename) == HERE]   # the pages' and common.py's
     assert re.search(READ_BACK, str(failed.value)), stack
     assert (os.path.basename(ours[-1].filename), ours[-1].name, ours[-1].line) == (
-        "common.py", "accuracy", "correct, count = totals.tolist()"), stack
+        "common.py", "accuracy", "return totals.tolist()"), stack
     if page in (ddp_resnet, fsdp_resnet, diloco_resnet):   # the epoch's sums and BatchNorm's buffers, handed to NCCL
         assert {"all_reduce", "broadcast"} <= set(collectives.calls), collectives.calls
 
@@ -339,15 +339,18 @@ def test_overlap_sends_before_backward_ends():
 @pytest.mark.parametrize("launch", [["python", "ddp_toy.py", "--world-size", "2"],
                                     ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_toy.py"]])
 def test_ddp_toy_any_world_size_trains_like_one_rank(launch, toy_one_rank, tmp_path):
+    """2 ranks (1: the fixture; 3: the test below); each epoch's evaluation counts the 301 test images once."""
     result = run(launch + ["--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
+    assert images_counted(tmp_path) == [301] * 3
     assert [line.split()[:2] for line in result.stdout.splitlines() if line.startswith("epoch")] == [
         ["epoch", "1"], ["epoch", "2"], ["epoch", "3"]]   # rank 0 alone prints
 
 
 def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
-    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes)."""
+    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes): one process's accuracy,
+    each test image counted once (every rank evaluating all 301 would count 903, at the same accuracy)."""
     result = run(["python", "ddp_toy.py", "--world-size", "3", "--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
@@ -357,6 +360,7 @@ def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
     single = (net(X).argmax(1) == y).sum().item() / len(y)
     reported = json.load(open(tmp_path / "metrics.json"))
     assert reported["test_acc"] == single and reported["test_samples"] == 301
+    assert images_counted(tmp_path) == [301] * 3
 
 
 def test_sampler_order_changes_each_epoch_and_shards_partition_the_data():
@@ -482,7 +486,8 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     net, cpu = fashion_resnet(0), torch.device("cpu")
     net.load_state_dict(load_model(tmp_path / "fsdp"))
     _, test_set, _ = common.fashion_mnist(DATA, 64, 101)
-    assert metrics["test_acc"] == common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
+    correct, count = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
+    assert metrics["test_acc"] == correct / count and metrics["epochs"][-1]["test_count"] == count == 101
     held = metrics["bytes_per_rank"]
     assert len(held) == nproc
     for kind in ("params", "grads", "optimizer_state"):

@@ -146,6 +146,12 @@ def load_model(out):
     return torch.load(os.path.join(out, "model.pt"), map_location="cpu")
 
 
+def images_counted(out):
+    """The test images each epoch's evaluation counted, summed over the ranks (metrics.json's test_count)."""
+    with open(os.path.join(out, "metrics.json")) as f:
+        return [epoch["test_count"] for epoch in json.load(f)["epochs"]]
+
+
 def max_difference(a, b):
     """The largest difference of any weight or buffer between two state dicts of one model."""
     assert a.keys() == b.keys()
@@ -303,9 +309,11 @@ def scratch_one_replica(tmp_path_factory):
 @pytest.fixture(scope="session")
 @once
 def toy_one_rank(tmp_path_factory):
+    """ddp_toy.py's weights on one rank, whose evaluations each count the 301 test images once."""
     out = tmp_path_factory.mktemp("toy1")
     result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
     assert_ok(result)
+    assert images_counted(out) == [301] * 3
     return load_model(out)
 
 
