@@ -2,7 +2,7 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading, traceback
+import argparse, ast, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback
 import pytest
 import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
@@ -126,6 +126,40 @@ def test_global_batches_do_not_depend_on_world_size(world_size):
     assert [sorted(sum((r[k] for r in ranks), [])) for k in range(len(one))] == [sorted(b) for b in one]
     assert rank_batches(1000, 48, 0, world_size, epoch=1, start=5) == ranks[0][5:]
     assert rank_batches(1000, 48, 0, 1, epoch=2) != one
+
+
+def learning_rates(optimizer, scheduler, steps):   # each group's lr at optimizer steps 0 .. steps - 1
+    rates = []
+    for _ in range(steps):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_the_recipe_decays_only_weights_and_warms_up_then_follows_the_cosine_to_zero():
+    """common.sgd_recipe itself (a decay or a schedule gone wrong can stay within the ResNet comparisons' tolerance
+    over their few steps): weight decay on every weight but BatchNorm's and the biases; momentum 0.9; the learning rate
+    of step k, with a warm-up of W steps and T in all: (k + 1) / W of the rate for k < W, then half a cosine from the
+    whole rate at step W down to zero at step T, which the last step (T - 1) is one cosine step short of; with no
+    warm-up, the cosine from step 0."""
+    net = fashion_resnet(0)
+    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 3, 8)
+    name = {p: n for n, p in net.named_parameters()}
+    norms = {name[p] for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
+    biases = {n for n in name.values() if n.endswith("bias")}
+    assert len(norms) == 40 and len(biases) == 21   # 20 BatchNorms' weights and biases, and the last layer's bias
+    decayed, not_decayed = optimizer.param_groups
+    assert {name[p] for p in not_decayed["params"]} == norms | biases and not_decayed["weight_decay"] == 0
+    assert {name[p] for p in decayed["params"]} == set(name.values()) - norms - biases
+    assert decayed["weight_decay"] == 5e-4
+    assert decayed["momentum"] == not_decayed["momentum"] == 0.9
+    cosine = [0.2 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]   # from step 3 to 7 of 8
+    expected = [0.4 / 3, 0.8 / 3, 0.4] + cosine + [0.0, 0.0]   # past the end: zero
+    assert learning_rates(optimizer, scheduler, 10) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
+    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 0, 4)
+    expected = [0.2 * (1 + math.cos(math.pi * k / 4)) for k in range(4)] + [0.0]
+    assert learning_rates(optimizer, scheduler, 5) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
 
 
 # ---------------------------------------------------------------- every tensor on the model's device
