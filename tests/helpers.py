@@ -173,33 +173,39 @@ def resnet_step(weights):
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
-def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1):
+def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1,
+                     total_steps=None, consecutive=False):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
-    as each torchrun worker has (another number sums in another order inside the kernels)."""
+    as each torchrun worker has (another number sums in another order inside the kernels).
+    `total_steps`: the cosine's length (default: 5 epochs, ddp_resnet.py's); `consecutive`: the
+    shards are the batch's consecutive pieces (ft_ddp_resnet.py's micro-batches), not every
+    W-th image (DistributedSampler's shares)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _resnet_reference(shards, steps, lr, batch_size, samples)
+        return _resnet_reference(shards, steps, lr, batch_size, samples, total_steps or 5 * (samples // batch_size),
+                                 consecutive)
     finally:
         torch.set_num_threads(before)
 
 
-def _resnet_reference(shards, steps, lr, batch_size, samples):
+def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive):
     X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
     net = fashion_resnet(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
-    # BatchNorm and biases; the cosine of 5 epochs
+    # BatchNorm and biases; the cosine over total_steps
     decay = [p for p in net.parameters() if p.ndim > 1]
     rest = [p for p in net.parameters() if p.ndim == 1]
     optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": rest, "weight_decay": 0}],
                                 lr=lr, momentum=0.9)
     for step, idx in enumerate(epoch_batches(samples, batch_size, seed=0, epoch=1)[:steps]):
         for group in optimizer.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / (5 * (samples // batch_size))))
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         net.zero_grad(set_to_none=True)
         replicas = [copy.deepcopy(net) for _ in range(shards)]
-        for replica, part in zip(replicas, (idx[r::shards] for r in range(shards))):   # DistributedSampler's shares
+        parts = idx.chunk(shards) if consecutive else [idx[r::shards] for r in range(shards)]
+        for replica, part in zip(replicas, parts):
             F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
         for name, p in net.named_parameters():
             p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
@@ -285,16 +291,21 @@ def running(pid):
         return False
 
 
+def tolerance(one, two):
+    """10 times the difference of two runs that differ only in the order of their sums (never below one
+    float32 rounding step of the largest value): measured on this CPU, as a fixed number fitted on one
+    machine failed on another."""
+    rounding = torch.finfo(torch.float32).eps * max(t.abs().max().item() for t in one.values() if t.is_floating_point())
+    return 10 * max(max_difference(one, two), rounding)
+
+
 @pytest.fixture(scope="session")
 @once
 def resnet_tolerance(tmp_path_factory):
-    """How far two ResNet runs that compute the same sums in another order may differ, measured on
-    this CPU (fitted on one machine, a fixed number failed on another): the 2-shard reference's
-    weights after 2 steps with 1 thread against 2 threads (only the order of sums inside the
-    kernels differs), never below one float32 rounding step of the largest weight; times 10."""
-    one, two = resnet_reference(2), resnet_reference(2, threads=2)
-    rounding = torch.finfo(torch.float32).eps * max(t.abs().max().item() for t in one.values() if t.is_floating_point())
-    return 10 * max(max_difference(one, two), rounding)
+    """How far two ResNet runs that compute the same sums in another order may differ: the 2-shard
+    reference's weights after 2 steps with 1 thread against 2 threads (only the order of sums inside
+    the kernels differs)."""
+    return tolerance(resnet_reference(2), resnet_reference(2, threads=2))
 
 
 # ---------------------------------------------------------------- runs several tests compare against
