@@ -472,12 +472,14 @@ def test_nccl_without_gpus_is_refused_in_one_line(monkeypatch):
 # ---------------------------------------------------------------- ddp_resnet.py and dp_resnet.py
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance, tmp_path):
+    """The reference's weights. The bytes reported are the script's formula, restated here, not a count (DDP's reducer
+    calls its allreduce from C++, out of Python's sight): every parameter's gradient once a step; one rank, none."""
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
                  ["--out", str(tmp_path)])
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), resnet_reference(nproc), tol=resnet_tolerance)
     sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_by_collective"]
-    expected = RESNET_BYTES if nproc > 1 else 0   # every gradient, once per step; one rank sends nothing
+    expected = RESNET_BYTES if nproc > 1 else 0
     assert sent == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES} if nproc > 1 else {})
     assert f"{expected / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 

@@ -1,7 +1,7 @@
 """Training over slow links: DiLoCo is DDP when it syncs every step and resumes inside a round;
-DDP's compression hooks step the fp32 way, and what they and FSDP hand to collectives is counted
-right."""
-import json
+DDP's compression hooks step the fp32 way, and what the 16-bit ones and FSDP hand to collectives
+is counted right."""
+import json, re
 import pytest
 from helpers import (DATA, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, fashion_resnet, load_model,
                      resnet_reference, resnet_step, run)
@@ -70,14 +70,18 @@ def test_diloco_resumes_inside_a_round(tmp_path):
 @pytest.mark.parametrize("hook, nproc", [("bf16", 2), ("fp16", 1)])
 def test_16_bit_comm_hooks_step_the_fp32_way(hook, nproc, tmp_path):
     """PyTorch's bf16/fp16 compression hooks: the reference step up to gradients rounded to 16
-    bits (not exactly it: the hook is in use)."""
-    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
-                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)])
+    bits (not exactly it: the hook is in use). ddp_resnet.py's bytes per step (its parameters'
+    bytes, halved) are those the hook handed torch.distributed's all_reduce, counted there
+    (tests/torchrun_checks.py hook-sent): every gradient in 2 bytes; a group of one sends
+    nothing over a link, and the script reports nothing."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "tests/torchrun_checks.py", "hook-sent",
+                  "ddp_resnet"] + RESNET + ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     step_fp32, step_16 = resnet_step(resnet_reference(nproc, steps=1)), resnet_step(load_model(tmp_path))
     assert 0 < (step_16 - step_fp32).norm() / step_fp32.norm() < 0.02
-    # counted by the hook's wrapper: every gradient at 2 bytes; a group of one sends nothing
-    assert metrics(tmp_path)["sent_bytes_by_collective"] == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES // 2}
+    handed = [int(n) for n in re.findall(r"rank \d+ handed all_reduce (\d+) bytes in 16 bits", result.stdout)]
+    assert handed == [RESNET_BYTES // 2] * nproc, result.stdout[-2000:]   # each rank, in its one step
+    assert metrics(tmp_path)["sent_bytes_by_collective"] == ({f"all_reduce ({nproc} ranks)": handed[0]}
                                                              if nproc > 1 else {})
 
 
