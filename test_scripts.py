@@ -485,8 +485,10 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(resnet_tolerance, tmp_path):
-    """One step of dp_resnet.py is the step of one DDP rank (the reference, which
-    ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both."""
+    """One step of dp_resnet.py on one device is the step of one DDP rank (the reference, which
+    ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both. On a
+    CPU, DataParallel with no GPUs calls the module itself: this proves the page's step and recipe,
+    not the split of the batch over devices."""
     result = run(["python", "dp_resnet.py"] + RESNET + ["--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     assert "DataParallel runs the model on the CPU" in result.stdout
