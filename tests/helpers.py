@@ -174,23 +174,24 @@ def resnet_step(weights):
 
 
 def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1,
-                     total_steps=None, consecutive=False):
+                     total_steps=None, consecutive=False, exact_mean=False):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
     as each torchrun worker has (another number sums in another order inside the kernels).
     `total_steps`: the cosine's length (default: 5 epochs, ddp_resnet.py's); `consecutive`: the
     shards are the batch's consecutive pieces (ft_ddp_resnet.py's micro-batches), not every
-    W-th image (DistributedSampler's shares)."""
+    W-th image (DistributedSampler's shares); `exact_mean`: their gradients summed in float64,
+    the mean rounded once to float32 (ft_ddp_resnet.py's sums; an allreduce's are float32)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _resnet_reference(shards, steps, lr, batch_size, samples, total_steps or 5 * (samples // batch_size),
-                                 consecutive)
+                                 consecutive, torch.float64 if exact_mean else torch.float32)
     finally:
         torch.set_num_threads(before)
 
 
-def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive):
+def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive, sums):
     X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
     net = fashion_resnet(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
@@ -208,7 +209,7 @@ def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, conse
         for replica, part in zip(replicas, parts):
             F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
         for name, p in net.named_parameters():
-            p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
+            p.grad = (sum(dict(r.named_parameters())[name].grad.to(sums) for r in replicas) / shards).float()
         for name, b in net.named_buffers():
             b.copy_(dict(replicas[0].named_buffers())[name])
         optimizer.step()
@@ -291,21 +292,16 @@ def running(pid):
         return False
 
 
-def tolerance(one, two):
-    """10 times the difference of two runs that differ only in the order of their sums (never below one
-    float32 rounding step of the largest value): measured on this CPU, as a fixed number fitted on one
-    machine failed on another."""
-    rounding = torch.finfo(torch.float32).eps * max(t.abs().max().item() for t in one.values() if t.is_floating_point())
-    return 10 * max(max_difference(one, two), rounding)
-
-
 @pytest.fixture(scope="session")
 @once
 def resnet_tolerance(tmp_path_factory):
-    """How far two ResNet runs that compute the same sums in another order may differ: the 2-shard
-    reference's weights after 2 steps with 1 thread against 2 threads (only the order of sums inside
-    the kernels differs)."""
-    return tolerance(resnet_reference(2), resnet_reference(2, threads=2))
+    """How far two ResNet runs that compute the same sums in another order may differ, measured on
+    this CPU (fitted on one machine, a fixed number failed on another): the 2-shard reference's
+    weights after 2 steps with 1 thread against 2 threads (only the order of sums inside the
+    kernels differs), never below one float32 rounding step of the largest weight; times 10."""
+    one, two = resnet_reference(2), resnet_reference(2, threads=2)
+    rounding = torch.finfo(torch.float32).eps * max(t.abs().max().item() for t in one.values() if t.is_floating_point())
+    return 10 * max(max_difference(one, two), rounding)
 
 
 # ---------------------------------------------------------------- runs several tests compare against
