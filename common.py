@@ -188,8 +188,8 @@ def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
 
 @torch.no_grad()
 def accuracy(predict, batches, device, world_size):
-    """[correct, count] over this rank's (X, y) batches, summed over ranks before dividing: integers on `device`
-    (a count made on the CPU could not be summed with CUDA's), exact at any size."""
+    """[correct, count] over this rank's (X, y) batches, summed over ranks (divided by the caller): integers on
+    `device` (a count made on the CPU could not be summed with CUDA's), exact at any size."""
     totals = torch.zeros(2, device=device, dtype=torch.int64)
     for X, y in batches:
         y = y.to(device, non_blocking=True)
@@ -197,8 +197,7 @@ def accuracy(predict, batches, device, world_size):
         totals[1] += len(y)   # a Python number: added on the device, no copy
     if world_size > 1:
         dist.all_reduce(totals)
-    correct, count = totals.tolist()
-    return correct / count
+    return totals.tolist()
 
 # ---------------------------------------------------------------- the model and the recipe
 def resnet(arch, classes, seed, channels=3, image_size=224, **options):
@@ -335,14 +334,15 @@ def new_metrics(script, args, devices, backend, world_size, test_samples):   # `
             "backend": backend, "world_size": world_size, "test_samples": test_samples, "epochs": [],
             "layout": f"{world_size} process{'es' * (world_size > 1)} x {each} replica{'s' * (each > 1)}"}
 
-def record_epoch(metrics, epoch, totals, seconds, test_acc, verbose):   # totals: summed loss, hits, samples
+def record_epoch(metrics, epoch, totals, seconds, tested, verbose):   # totals: summed loss, hits, samples
     loss_sum, hits, samples = totals.tolist()
-    line = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": hits / samples, "test_acc": test_acc,
-            "samples": samples, "samples_per_s": samples / seconds, "seconds": seconds}
+    correct, count = tested   # accuracy()'s: test_count shows each test image counted once, over all ranks
+    line = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": hits / samples, "test_acc": correct / count,
+            "test_count": count, "samples": samples, "samples_per_s": samples / seconds, "seconds": seconds}
     metrics["epochs"].append(line)
     if verbose:
         print(f"epoch {epoch:3d}  loss {line['train_loss']:.4f}  train acc {line['train_acc']:.4f}  test acc "
-              f"{test_acc:.4f}  {line['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+              f"{line['test_acc']:.4f}  {line['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
 
 def finish(metrics, steps, seconds, state_dict, sent_per_step):
     by = {k: round(v) for k, v in sent_per_step.items()}

@@ -146,9 +146,9 @@ def end_of_epoch(net, totals, test_batches, device, world_size):
     for buffer in net.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
     net.eval()
-    test_acc = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
+    tested = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
     net.train()
-    return test_acc
+    return tested
 
 # ---------------------------------------------------------------- training
 def train(args):
@@ -239,8 +239,8 @@ def train(args):
             if step == final_step:
                 break
         seconds = timer()
-        test_acc = end_of_epoch(net, totals, test_batches, device, world_size)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        tested = end_of_epoch(net, totals, test_batches, device, world_size)
+        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:

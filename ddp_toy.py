@@ -79,8 +79,8 @@ def train(args):
         seconds = timer()
         dist.all_reduce(totals)   # DDP: loss and hits over all ranks, not just this one
         test_batches = common.test_loader(TensorDataset(X_test, y_test), rank, world_size, device)
-        test_acc = common.accuracy(model.module, test_batches, device, world_size)   # DDP: [correct, count] summed
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        tested = common.accuracy(model.module, test_batches, device, world_size)   # DDP: [correct, count] summed
+        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
         if step == args.max_steps:
             break
     if master:

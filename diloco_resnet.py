@@ -111,9 +111,9 @@ def evaluate_shared(test_batches, net, outer, device):
     replica = {k: v.clone() for k, v in net.state_dict().items()}
     net.load_state_dict(outer.shared_state(net))
     net.eval()
-    accuracy = common.accuracy(net, test_batches, device, dist.get_world_size())   # DiLoCo: [correct, count] summed
+    tested = common.accuracy(net, test_batches, device, dist.get_world_size())   # DiLoCo: [correct, count] summed
     net.load_state_dict(replica)
-    return accuracy
+    return tested
 
 # ---------------------------------------------------------------- checkpoints: the shared weights and every replica
 def on_cpu(state):
@@ -295,8 +295,8 @@ def train(args):
                 break
         seconds = timer()
         dist.all_reduce(totals)   # DiLoCo: loss, hits and samples over all ranks
-        test_acc = evaluate_shared(test_batches, net, outer, device)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        tested = evaluate_shared(test_batches, net, outer, device)
+        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:

@@ -80,8 +80,8 @@ def train(args):
                 break
         seconds = timer()
         net.eval()
-        test_acc = common.accuracy(model, common.test_loader(test_set, 0, 1, device), device, 1)   # DP: split too
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
+        tested = common.accuracy(model, common.test_loader(test_set, 0, 1, device), device, 1)   # DP: split too
+        common.record_epoch(metrics, epoch, totals, seconds, tested, True)
         if step == args.max_steps:
             break
     common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent)

@@ -220,9 +220,9 @@ def end_of_epoch(model, totals, test_batches, device, world_size):
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
     model.eval()
-    test_acc = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
+    tested = common.accuracy(model, test_batches, device, world_size)   # FSDP: as many forwards on every rank
     model.train()
-    return test_acc
+    return tested
 
 # ---------------------------------------------------------------- training
 def train(args):
@@ -308,8 +308,8 @@ def train(args):
             if step == final_step:
                 break
         seconds = timer()
-        test_acc = end_of_epoch(model, totals, test_batches, device, world_size)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        tested = end_of_epoch(model, totals, test_batches, device, world_size)
+        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
         if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
             save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
         if step == final_step:

@@ -83,7 +83,7 @@ def exchange(net, grads, flat_sums, totals, holds_first, count):
     grads.copy_(flat_sums[:len(grads)].div_(count))   # (in place: no 90 MB temporary)
     return tail[-1].clone(), None
 
-EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "samples", "samples_per_s", "seconds")
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "test_count", "samples", "samples_per_s", "seconds")
 
 def recover(net, optimizer, progress, src, epochs):
     """Live recovery: every member of the new group takes the weights, running statistics, momentum, position and
@@ -244,10 +244,10 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
         self.progress = {**self.progress, "step": step + 1, "totals": totals, "seconds": self.timer()}
         if self.progress["step"] % self.steps_per_epoch == 0 or self.progress["step"] == self.final_step:
             self.net.eval()   # an epoch's end: every member evaluates alike
-            test_acc = common.accuracy(self.net, common.test_loader(self.test_set, 0, 1, self.device), self.device, 1)
+            tested = common.accuracy(self.net, common.test_loader(self.test_set, 0, 1, self.device), self.device, 1)
             self.metrics["epochs"] = self.progress["history"]
             common.record_epoch(self.metrics, step // self.steps_per_epoch + 1, torch.tensor(self.progress["totals"]),
-                                self.progress["seconds"], test_acc, True)
+                                self.progress["seconds"], tested, True)
             self.progress = {"step": step + 1, "totals": [0.0] * 3, "history": self.metrics["epochs"], "seconds": 0.0}
             self.timer = common.Timer(self.device)
         if self.args.checkpoint_every and self.progress["step"] % self.args.checkpoint_every == 0:

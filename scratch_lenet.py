@@ -133,8 +133,8 @@ def train(args, devices):
                 break
         seconds = timer()
         test_batches = common.test_loader(test_set, 0, 1, devices[0])
-        test_acc = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], 1)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, True)
+        tested = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], 1)
+        common.record_epoch(metrics, epoch, totals, seconds, tested, True)
         if step == args.max_steps:
             break
     common.finish(metrics, step, time.perf_counter() - start,

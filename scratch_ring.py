@@ -239,8 +239,8 @@ def train(args, devices, rank, world_size):
             ring_allreduce([totals], rank, world_size)   # RING: loss, hits and samples of all processes
             SENT.clear(), SENT.update(in_steps)
         test_batches = common.test_loader(test_set, rank, world_size, devices[0])
-        test_acc = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], world_size)
-        common.record_epoch(metrics, epoch, totals, seconds, test_acc, master)
+        tested = common.accuracy(lambda X: lenet(X, replicas[0]), test_batches, devices[0], world_size)
+        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
         if step == args.max_steps:
             break
     if master:

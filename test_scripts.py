@@ -2,7 +2,7 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import argparse, ast, json, os, re, shutil, socket, subprocess, sys, threading, traceback
+import argparse, ast, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +19,7 @@ import scratch_lenet
 import scratch_ring
 from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     epoch_batches, fashion_resnet, free_port, load_model, resnet_reference, run,
+                     epoch_batches, fashion_resnet, free_port, images_counted, load_model, resnet_reference, run,
                      scratch_ring_trains_like_one_device)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
@@ -130,6 +130,40 @@ def test_global_batches_do_not_depend_on_world_size(world_size):
     assert rank_batches(1000, 48, 0, 1, epoch=2) != one
 
 
+def learning_rates(optimizer, scheduler, steps):   # each group's lr at optimizer steps 0 .. steps - 1
+    rates = []
+    for _ in range(steps):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_the_recipe_decays_only_weights_and_warms_up_then_follows_the_cosine_to_zero():
+    """common.sgd_recipe itself (a decay or a schedule gone wrong can stay within the ResNet comparisons' tolerance
+    over their few steps): weight decay on every weight but BatchNorm's and the biases; momentum 0.9; the learning rate
+    of step k, with a warm-up of W steps and T in all: (k + 1) / W of the rate for k < W, then half a cosine from the
+    whole rate at step W down to zero at step T, which the last step (T - 1) is one cosine step short of; with no
+    warm-up, the cosine from step 0."""
+    net = fashion_resnet(0)
+    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 3, 8)
+    name = {p: n for n, p in net.named_parameters()}
+    norms = {name[p] for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
+    biases = {n for n in name.values() if n.endswith("bias")}
+    assert len(norms) == 40 and len(biases) == 21   # 20 BatchNorms' weights and biases, and the last layer's bias
+    decayed, not_decayed = optimizer.param_groups
+    assert {name[p] for p in not_decayed["params"]} == norms | biases and not_decayed["weight_decay"] == 0
+    assert {name[p] for p in decayed["params"]} == set(name.values()) - norms - biases
+    assert decayed["weight_decay"] == 5e-4
+    assert decayed["momentum"] == not_decayed["momentum"] == 0.9
+    cosine = [0.2 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]   # from step 3 to 7 of 8
+    expected = [0.4 / 3, 0.8 / 3, 0.4] + cosine + [0.0, 0.0]   # past the end: zero
+    assert learning_rates(optimizer, scheduler, 10) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
+    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 0, 4)
+    expected = [0.2 * (1 + math.cos(math.pi * k / 4)) for k in range(4)] + [0.0]
+    assert learning_rates(optimizer, scheduler, 5) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
+
+
 # ---------------------------------------------------------------- every tensor on the model's device
 # On a CPU-only machine a tensor made without device= lands where the model is anyway. The meta device stands in for
 # the GPU: tests/as_on_a_gpu.py refuses an op on two devices as CUDA does, and nothing can be read back from meta, so
@@ -155,7 +189,7 @@ def test_accuracy_counts_exactly_past_float32s_integers():
     n = 2**24 + 1
     X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
     X[:, 0], y[0] = 1, 1
-    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == (n - 1) / n
+    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == [n - 1, n]
 
 
 GPU_RESNET = ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--data-dir",
@@ -195,7 +229,7 @@ def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, 
     ours = [frame for frame in frames if os.path.dirname(frame.filename) == HERE]   # the pages' and common.py's
     assert re.search(READ_BACK, str(failed.value)), stack
     assert (os.path.basename(ours[-1].filename), ours[-1].name, ours[-1].line) == (
-        "common.py", "accuracy", "correct, count = totals.tolist()"), stack
+        "common.py", "accuracy", "return totals.tolist()"), stack
     if page in (ddp_resnet, fsdp_resnet, diloco_resnet):   # the epoch's sums and BatchNorm's buffers, handed to NCCL
         assert {"all_reduce", "broadcast"} <= set(collectives.calls), collectives.calls
 
@@ -343,15 +377,18 @@ def test_overlap_sends_before_backward_ends():
 @pytest.mark.parametrize("launch", [["python", "ddp_toy.py", "--world-size", "2"],
                                     ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_toy.py"]])
 def test_ddp_toy_any_world_size_trains_like_one_rank(launch, toy_one_rank, tmp_path):
+    """2 ranks (1: the fixture; 3: the test below); each epoch's evaluation counts the 301 test images once."""
     result = run(launch + ["--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
+    assert images_counted(tmp_path) == [301] * 3
     assert [line.split()[:2] for line in result.stdout.splitlines() if line.startswith("epoch")] == [
         ["epoch", "1"], ["epoch", "2"], ["epoch", "3"]]   # rank 0 alone prints
 
 
 def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
-    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes)."""
+    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes): one process's accuracy,
+    each test image counted once (every rank evaluating all 301 would count 903, at the same accuracy)."""
     result = run(["python", "ddp_toy.py", "--world-size", "3", "--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
@@ -361,6 +398,7 @@ def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
     single = (net(X).argmax(1) == y).sum().item() / len(y)
     reported = json.load(open(tmp_path / "metrics.json"))
     assert reported["test_acc"] == single and reported["test_samples"] == 301
+    assert images_counted(tmp_path) == [301] * 3
 
 
 def test_sampler_order_changes_each_epoch_and_shards_partition_the_data():
@@ -458,12 +496,14 @@ def test_nccl_without_gpus_is_refused_in_one_line(monkeypatch):
 # ---------------------------------------------------------------- ddp_resnet.py and dp_resnet.py
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance, tmp_path):
+    """The reference's weights. The bytes reported are the script's formula, restated here, not a count (DDP's reducer
+    calls its allreduce from C++, out of Python's sight): every parameter's gradient once a step; one rank, none."""
     result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
                  ["--out", str(tmp_path)])
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), resnet_reference(nproc), tol=resnet_tolerance)
     sent = json.load(open(tmp_path / "metrics.json"))["sent_bytes_by_collective"]
-    expected = RESNET_BYTES if nproc > 1 else 0   # every gradient, once per step; one rank sends nothing
+    expected = RESNET_BYTES if nproc > 1 else 0
     assert sent == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES} if nproc > 1 else {})
     assert f"{expected / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 
@@ -523,8 +563,10 @@ def test_the_large_batch_recipe_is_off_by_default_and_zero_init_changes_only_the
 
 
 def test_dataparallel_step_equals_ddp_resnet_step(resnet_tolerance, tmp_path):
-    """One step of dp_resnet.py is the step of one DDP rank (the reference, which
-    ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both."""
+    """One step of dp_resnet.py on one device is the step of one DDP rank (the reference, which
+    ddp_resnet.py computes: test above), with the same flags: --lr is for 256 samples in both. On a
+    CPU, DataParallel with no GPUs calls the module itself: this proves the page's step and recipe,
+    not the split of the batch over devices."""
     result = run(["python", "dp_resnet.py"] + RESNET + ["--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     assert "DataParallel runs the model on the CPU" in result.stdout
@@ -560,7 +602,8 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     net, cpu = fashion_resnet(0), torch.device("cpu")
     net.load_state_dict(load_model(tmp_path / "fsdp"))
     _, test_set, _ = common.fashion_mnist(DATA, 64, 101)
-    assert metrics["test_acc"] == common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
+    correct, count = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
+    assert metrics["test_acc"] == correct / count and metrics["epochs"][-1]["test_count"] == count == 101
     held = metrics["bytes_per_rank"]
     assert len(held) == nproc
     for kind in ("params", "grads", "optimizer_state"):

@@ -146,6 +146,12 @@ def load_model(out):
     return torch.load(os.path.join(out, "model.pt"), map_location="cpu")
 
 
+def images_counted(out):
+    """The test images each epoch's evaluation counted, summed over the ranks (metrics.json's test_count)."""
+    with open(os.path.join(out, "metrics.json")) as f:
+        return [epoch["test_count"] for epoch in json.load(f)["epochs"]]
+
+
 def max_difference(a, b):
     """The largest difference of any weight or buffer between two state dicts of one model."""
     assert a.keys() == b.keys()
@@ -167,36 +173,43 @@ def resnet_step(weights):
     return torch.cat([(weights[n].float() - start[n]).flatten() for n in names])
 
 
-def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1):
+def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1,
+                     total_steps=None, consecutive=False, exact_mean=False):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
-    as each torchrun worker has (another number sums in another order inside the kernels)."""
+    as each torchrun worker has (another number sums in another order inside the kernels).
+    `total_steps`: the cosine's length (default: 5 epochs, ddp_resnet.py's); `consecutive`: the
+    shards are the batch's consecutive pieces (ft_ddp_resnet.py's micro-batches), not every
+    W-th image (DistributedSampler's shares); `exact_mean`: their gradients summed in float64,
+    the mean rounded once to float32 (ft_ddp_resnet.py's sums; an allreduce's are float32)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _resnet_reference(shards, steps, lr, batch_size, samples)
+        return _resnet_reference(shards, steps, lr, batch_size, samples, total_steps or 5 * (samples // batch_size),
+                                 consecutive, torch.float64 if exact_mean else torch.float32)
     finally:
         torch.set_num_threads(before)
 
 
-def _resnet_reference(shards, steps, lr, batch_size, samples):
+def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive, sums):
     X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
     net = fashion_resnet(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
-    # BatchNorm and biases; the cosine of 5 epochs
+    # BatchNorm and biases; the cosine over total_steps
     decay = [p for p in net.parameters() if p.ndim > 1]
     rest = [p for p in net.parameters() if p.ndim == 1]
     optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4}, {"params": rest, "weight_decay": 0}],
                                 lr=lr, momentum=0.9)
     for step, idx in enumerate(epoch_batches(samples, batch_size, seed=0, epoch=1)[:steps]):
         for group in optimizer.param_groups:
-            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / (5 * (samples // batch_size))))
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         net.zero_grad(set_to_none=True)
         replicas = [copy.deepcopy(net) for _ in range(shards)]
-        for replica, part in zip(replicas, (idx[r::shards] for r in range(shards))):   # DistributedSampler's shares
+        parts = idx.chunk(shards) if consecutive else [idx[r::shards] for r in range(shards)]
+        for replica, part in zip(replicas, parts):
             F.cross_entropy(replica(X_train[part]), y_train[part]).backward()
         for name, p in net.named_parameters():
-            p.grad = sum(dict(r.named_parameters())[name].grad for r in replicas) / shards
+            p.grad = (sum(dict(r.named_parameters())[name].grad.to(sums) for r in replicas) / shards).float()
         for name, b in net.named_buffers():
             b.copy_(dict(replicas[0].named_buffers())[name])
         optimizer.step()
@@ -303,9 +316,11 @@ def scratch_one_replica(tmp_path_factory):
 @pytest.fixture(scope="session")
 @once
 def toy_one_rank(tmp_path_factory):
+    """ddp_toy.py's weights on one rank, whose evaluations each count the 301 test images once."""
     out = tmp_path_factory.mktemp("toy1")
     result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
     assert_ok(result)
+    assert images_counted(out) == [301] * 3
     return load_model(out)
 
 

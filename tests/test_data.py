@@ -8,7 +8,7 @@ from torchvision.datasets import FashionMNIST
 import common
 from write_images import write_images
 from helpers import (DATA, FILES, HERE, RESNET_LR, assert_ok, assert_same_weights, children_of, descendants_of,
-                     fashion_resnet, folder_datasets, load_model, read, run, running, wait_for)
+                     fashion_resnet, folder_datasets, images_counted, load_model, read, run, running, wait_for)
 
 TRAIN, VAL = 96, 61   # 61: no world size of 2 or 3 divides it
 FOLDER = ["--image-size", "28", "--batch-size", "16", "--epochs", "2"]   # 28x28 grayscale: cheap
@@ -154,8 +154,8 @@ def test_fsdp_mid_epoch_resume_from_an_image_folder_with_workers_ends_like_one_r
 
 def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, tmp_path):
     """3 ranks, 61 validation images (20, 20, 21 each): the reported accuracy is one process's on
-    the same weights over all 61. 96 training images in global batches of 27 (9 a rank): 3 batches,
-    15 images left out of each epoch (other ones each epoch)."""
+    the same weights over all 61, each counted once an epoch. 96 training images in global batches
+    of 27 (9 a rank): 3 batches, 15 images left out of each epoch (other ones each epoch)."""
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py", "--data-dir", str(images),
                   "--image-size", "28", "--batch-size", "27", "--epochs", "2", "--workers", "1",
                   "--out", str(tmp_path)], timeout=300)
@@ -166,7 +166,8 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
     net.load_state_dict(load_model(tmp_path))
     _, val, _ = folder_datasets(images)
     cpu = torch.device("cpu")
-    assert metrics["test_acc"] == common.accuracy(net.eval(), common.test_loader(val, 0, 1, cpu), cpu, 1)
+    correct, count = common.accuracy(net.eval(), common.test_loader(val, 0, 1, cpu), cpu, 1)
+    assert metrics["test_acc"] == correct / count and images_counted(tmp_path) == [count] * 2 == [VAL] * 2
 
 
 def test_a_gray_image_among_colour_ones_is_read_in_colour(images, tmp_path):

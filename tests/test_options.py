@@ -9,7 +9,8 @@ import torch
 import common
 import scratch_lenet
 from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     free_port, load_model, resnet_reference, resnet_step, run, scratch_ring_trains_like_one_device)
+                     free_port, images_counted, load_model, resnet_reference, resnet_step, run,
+                     scratch_ring_trains_like_one_device)
 
 
 def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
@@ -90,6 +91,7 @@ def test_scratch_readme_command_learns(tmp_path):
 
 
 def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
+    """3 ranks, 101 test images: one process's accuracy on the same weights, each image counted once."""
     result = run(["torchrun", "--standalone", "--nproc_per_node=3", "ddp_resnet.py"] + RESNET +
                  ["--batch-size", "15", "--out", str(tmp_path)])
     assert_ok(result)
@@ -97,8 +99,9 @@ def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
     net.load_state_dict(load_model(tmp_path))
     test_set = common.fashion_mnist(DATA, 1, 101)[1]
     cpu = torch.device("cpu")
-    single = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
-    assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == single
+    correct, count = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
+    assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == correct / count
+    assert images_counted(tmp_path) == [count] == [101]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")

@@ -1,8 +1,11 @@
-"""Training over slow links: DiLoCo is DDP when it syncs every step and resumes inside a round;
-DDP's compression hooks step the fp32 way, and what they and FSDP hand to collectives is counted
-right."""
-import json
+"""Training over slow links: DiLoCo is DDP when it syncs every step, its outer step is Nesterov's,
+and it resumes inside a round; DDP's compression hooks step the fp32 way, and what the 16-bit ones
+and FSDP hand to collectives is counted right."""
+import collections, json, re
 import pytest
+import torch
+import torch.distributed as dist
+import diloco_resnet
 from helpers import (DATA, RESNET, RESNET_LR, TWO_EPOCHS, assert_ok, assert_same_weights, fashion_resnet, load_model,
                      resnet_reference, resnet_step, run)
 
@@ -38,6 +41,39 @@ def test_diloco_with_one_local_step_is_ddp(nproc, batch_size, tmp_path):
     assert f"{(RESNET_BYTES + BUFFER_BYTES) / 1e6:.3g} MB to collectives per step and rank" in result.stdout
 
 
+def test_diloco_outer_step_is_nesterov_on_the_pseudo_gradient_with_momentum_across_rounds():
+    """diloco_resnet.Outer against the outer step written out, H = 2, two rounds (one rank: the average
+    over ranks is the test above's): the pseudo-gradient g is the round's start minus the replica;
+    the outer momentum v = 0.9 v + g is kept from round to round; the shared weights move by
+    -0.7 (g + 0.9 v) (Nesterov); every replica starts the next round from them, with its own
+    BatchNorm statistics (rank 0's, on one rank)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    outer = diloco_resnet.Outer(net, lr=0.7, momentum=0.9)
+    inner = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    shared = [p.detach().clone() for p in net.parameters()]
+    velocity = [torch.zeros_like(p) for p in shared]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(2):
+            for _ in range(2):   # H = 2 inner steps on the replica
+                inner.zero_grad()
+                net(torch.randn(8, 4)).square().mean().backward()
+                inner.step()
+            statistics = [b.clone() for b in net.buffers()]
+            for i, replica in enumerate(net.parameters()):
+                g = shared[i] - replica.detach()
+                velocity[i] = 0.9 * velocity[i] + g
+                shared[i] = shared[i] - 0.7 * (g + 0.9 * velocity[i])
+            outer.sync(net, 1, collections.Counter())
+            for replica, expected, kept in zip(net.parameters(), shared, outer.params):
+                assert (replica.detach() - expected).abs().max().item() <= 1e-6 and torch.equal(replica, kept)
+            assert all(torch.equal(b, s) for b, s in zip(net.buffers(), statistics))
+            assert all(torch.equal(b, s) for b, s in zip(outer.buffers, statistics))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_diloco_resumes_inside_a_round(tmp_path):
     """Rounds of 4 steps over epochs of 6 (the round from step 5 to 8 spans an epoch's end, where
     the shared weights of step 4 are evaluated), outer Nesterov momentum: stopped at step 5 (a
@@ -70,14 +106,18 @@ def test_diloco_resumes_inside_a_round(tmp_path):
 @pytest.mark.parametrize("hook, nproc", [("bf16", 2), ("fp16", 1)])
 def test_16_bit_comm_hooks_step_the_fp32_way(hook, nproc, tmp_path):
     """PyTorch's bf16/fp16 compression hooks: the reference step up to gradients rounded to 16
-    bits (not exactly it: the hook is in use)."""
-    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "ddp_resnet.py"] + RESNET +
-                 ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)])
+    bits (not exactly it: the hook is in use). ddp_resnet.py's bytes per step (its parameters'
+    bytes, halved) are those the hook handed torch.distributed's all_reduce, counted there
+    (tests/torchrun_checks.py hook-sent): every gradient in 2 bytes; a group of one sends
+    nothing over a link, and the script reports nothing."""
+    result = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "tests/torchrun_checks.py", "hook-sent",
+                  "ddp_resnet"] + RESNET + ["--comm-hook", hook, "--max-steps", "1", "--out", str(tmp_path)])
     assert_ok(result)
     step_fp32, step_16 = resnet_step(resnet_reference(nproc, steps=1)), resnet_step(load_model(tmp_path))
     assert 0 < (step_16 - step_fp32).norm() / step_fp32.norm() < 0.02
-    # counted by the hook's wrapper: every gradient at 2 bytes; a group of one sends nothing
-    assert metrics(tmp_path)["sent_bytes_by_collective"] == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES // 2}
+    handed = [int(n) for n in re.findall(r"rank \d+ handed all_reduce (\d+) bytes in 16 bits", result.stdout)]
+    assert handed == [RESNET_BYTES // 2] * nproc, result.stdout[-2000:]   # each rank, in its one step
+    assert metrics(tmp_path)["sent_bytes_by_collective"] == ({f"all_reduce ({nproc} ranks)": handed[0]}
                                                              if nproc > 1 else {})
 
 

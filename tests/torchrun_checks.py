@@ -1,7 +1,7 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
-CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., slow-checkpoint SCRIPT
-ARGS...), from the repo root."""
+CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., hook-sent SCRIPT ARGS...,
+slow-checkpoint SCRIPT ARGS...), from the repo root."""
 import atexit, gc, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
@@ -137,6 +137,20 @@ def threads_left(script, *argv):
         print("threads left:", thread_names(), flush=True)
 
 
+def hook_sent(script, *argv):
+    """Run this rank of `script` with torch.distributed's all_reduce counting the 16-bit tensors it is handed (what
+    a bf16 or fp16 compression hook sends: patched here, in this test process only); at exit, print their bytes."""
+    handed, all_reduce = [0], dist.all_reduce
+    def counting(tensor, *args, **kwargs):
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            handed[0] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = counting
+    atexit.register(lambda: print(f"rank {os.environ['RANK']} handed all_reduce {handed[0]} bytes in 16 bits",
+                                  flush=True))
+    __import__(script).main(list(argv))
+
+
 def slow_checkpoint(script, *argv):
     """Run this rank of `script`, the stop's checkpoint file written 3 s late (on a slow disk); at exit, print
     the step of the checkpoint on disk."""
@@ -157,6 +171,6 @@ def slow_checkpoint(script, *argv):
 
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
-              "threads-left": threads_left, "fsdp-sent": fsdp_sent,
+              "threads-left": threads_left, "fsdp-sent": fsdp_sent, "hook-sent": hook_sent,
               "slow-checkpoint": slow_checkpoint}
     checks[sys.argv[1]](*sys.argv[2:])
