@@ -204,16 +204,16 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
         waits for ever, a peer stopped mid-handshake holds gloo ~5x the timeout; past 6x this member leaves."""
         self.gen = quorum["gen"]
         self.generations += 1
-        print(f"{self.name}: generation {self.gen}: {quorum['world']} member(s), from step {quorum['step']}",
-              flush=True)
+        print(f"{self.name}: generation {self.gen}: {quorum['world']} member(s) from step {quorum['step']}", flush=True)
         if dist.is_initialized():   # FT: the last generation's group goes
             dist.destroy_process_group()   # FT: before this one's is made
-        store = SignedStore(self.store, self.secret, generation_prefix(self.secret, self.run_id, self.gen))
         made = {"failure": "its store did not answer"}
 
         def make():   # FT: made["failure"]: None once made, or why it failed
             started = time.monotonic()
-            try:
+            try:   # FT: a client of the coordinator's store: connecting to it when it hangs waits for ever too
+                client = dist.TCPStore(self.args.join[0], self.store_port, timeout=timedelta(seconds=self.timeout))
+                store = SignedStore(client, self.secret, generation_prefix(self.secret, self.run_id, self.gen))
                 dist.init_process_group("gloo", store=store, rank=quorum["rank"],   # FT: its own group
                                         world_size=quorum["world"], timeout=timedelta(seconds=self.timeout))
                 made["failure"] = None
@@ -291,7 +291,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
         self.name = f"member {answer['id']}"
         self.run_id = answer["run"]
         self.timeout = self.link.timeout = answer["timeout"]   # FT: the run's, for every wait
-        self.store = dist.TCPStore(host, answer["store"], timeout=timedelta(seconds=self.timeout))   # FT: groups
+        self.store_port = answer["store"]   # FT: where its groups meet, on the coordinator's host
         print(f"{self.name}: joined run {self.run_id} at {host}:{port}, at step {self.progress['step']}", flush=True)
 
     def ask_coordinator(self, message=None):

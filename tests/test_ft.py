@@ -225,7 +225,7 @@ def test_a_member_stopped_while_its_group_is_made_is_voted_out_and_the_other_goe
         run.member("m1", "--min-members", "2", dies=("handshake", 0))
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
         assert re.search(r"member \d+ dropped", run.log("coordinator")), run.log("coordinator")
-        assert "generation 2: 1 member(s), from step 0" in run.log("m0"), run.log("m0")
+        assert "generation 2: 1 member(s) from step 0" in run.log("m0"), run.log("m0")
         time.sleep(max(0.0, 4 * 6 + 2 - (time.time() - os.stat(run.tmp / "m1.log").st_mtime)))   # past 6 x 4 s
         run.members["m1"].send_signal(signal.SIGCONT)
         assert run.wait("m1") == [0], run.log("m1")
