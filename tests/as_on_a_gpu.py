@@ -5,23 +5,27 @@ What a run under `as_on_a_gpu` sees:
 - torch.cuda says there are `gpus` GPUs; `torch.device("cuda", i)` is `meta:i`, so a page that counts its GPUs, or
   common.pick_device, hands out meta devices, and every tensor the page puts "on the GPU" is a meta tensor;
 - an aten op whose tensors sit on two devices fails with "Expected all tensors to be on the same device" (a 0-dim CPU
-  tensor beside others is allowed, as CUDA allows it; copies and indexing move data between devices), in every
-  thread that computes: the page's own, a ThreadPoolExecutor's (scratch_lenet.py's replicas, scratch_ring.py's
-  communication thread) and DataParallel's replicas;
-- the wrappers do to devices what they do on GPUs and nothing else: DDP (given device_ids on a GPU) and FSDP2's root
-  move the forward's inputs to the module's device; DataParallel checks the module is on its first device, splits the
-  batch over its devices, runs a replica per device in threads, and gathers the outputs on the first;
-- a collective on the default group (NCCL on GPUs) must be handed device tensors, as NCCL needs, and then does
-  nothing (one process: the sum is the tensor itself); the stop vote's gloo group, whose tensors are on the CPU by
-  design, runs for real. The group itself is gloo's, one process;
+  tensor beside others is allowed, as CUDA allows it; so are copies between devices, and indexing a tensor with CPU
+  indices), in the threads the pages compute in: their own, a ThreadPoolExecutor's (scratch_lenet.py's replicas,
+  scratch_ring.py's communication thread) and DataParallel's replicas;
+- the wrappers do to devices what they do on GPUs and nothing else: DDP and FSDP2 take a module on the GPU (DDP
+  refuses one elsewhere, FSDP2's mesh must be the GPU's) and move the forward's inputs to it, as DDP given device_ids
+  and FSDP2's root do; DataParallel checks the module is on its first device, splits the batch over its devices, runs
+  a replica per device in threads, and gathers the outputs on the first;
+- a collective the page calls on the default group (NCCL on GPUs: all_reduce, broadcast) must be handed device
+  tensors, as NCCL needs, and then does nothing (one process: the sum is the tensor itself); the stop vote's gloo
+  group, whose tensors are on the CPU by design, runs for real. The group itself is gloo's, one process;
 - autocast for meta is the CPU's.
-Nothing can be read back from meta: a page whose every training step and evaluation forward ran "on the GPU" fails
-first where it reads the evaluation's count, common.accuracy's `totals.tolist()`. That is the pass.
+Nothing can be read back from meta: a page whose every training step of its first epoch and every evaluation forward
+ran "on the GPU" fails first where it reads the evaluation's count, common.accuracy's `totals.tolist()`. That is the
+pass.
 
 What it cannot see: one meta device stands for all GPUs (a cuda:0/cuda:1 mix-up passes); the page's branches on
 `device.type == "cuda"` (pinned memory, DDP's device_ids, SyncBatchNorm, the timer's synchronize) take their CPU side;
-CUDA's own autocast rules and dtypes; NCCL across processes (one process here); ft_ddp_resnet.py, which trains on
-CPUs by design."""
+CUDA's own autocast rules and dtypes; one process only, so neither scratch_ring.py's send/recv nor any path under
+`world_size > 1` runs; DDP's communication hooks (its fake runs none); what comes after the first evaluation's count
+(checkpoints, --resume, later epochs, the outputs); a thread the page would start itself; ft_ddp_resnet.py, which
+trains on CPUs by design."""
 import concurrent.futures, contextlib, functools, os, signal, sys, threading
 import torch
 import torch.distributed as dist
@@ -34,9 +38,9 @@ from torch.utils._pytree import tree_flatten
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the pages
 
 REAL_DEVICE, REAL_AUTOCAST = torch.device, torch.autocast
-# ops that may take tensors on two devices on CUDA too: copies between them, and indexing with CPU indices
-MOVES = {"aten._to_copy.default", "aten.copy_.default", "aten._copy_from.default", "aten._copy_from_and_resize.default",
-         "aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"}
+# ops that may take tensors on two devices on CUDA too: copies between them; indexing, whose indices may be the CPU's
+MOVES = {"aten._to_copy.default", "aten.copy_.default", "aten._copy_from.default", "aten._copy_from_and_resize.default"}
+INDEXING = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"}
 READ_BACK = "cannot be called on meta tensors|Cannot copy out of meta tensor"
 
 
@@ -57,8 +61,12 @@ class OneDevice(TorchDispatchMode):
     """Refuses an op whose tensors are on two devices, as CUDA's kernels do."""
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        checked = (args, kwargs)
+        if str(func) in INDEXING:   # (self, indices, ...): indices on self's device or the CPU, the rest on self's
+            indices = [t for t in tree_flatten(args[1])[0] if torch.is_tensor(t) and t.device.type != "cpu"]
+            checked = (args[0], indices, args[2:], kwargs)
         if str(func) not in MOVES:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = [t for t in tree_flatten(checked)[0] if isinstance(t, torch.Tensor)]
             devices = {str(t.device) for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}
             if len(devices) > 1:
                 raise RuntimeError(f"Expected all tensors to be on the same device, but {func} got tensors on "
@@ -82,10 +90,18 @@ def device_of(module):
     return next(module.parameters()).device
 
 
+def on_the_gpu(module, what):   # a wrapper's module must be on the "GPU" already (DDP refuses others; FSDP2 moves it)
+    found = {t.device.type for t in [*module.parameters(), *module.buffers()]}
+    if found != {"meta"}:
+        raise RuntimeError(f"{what} was handed a module on {found}, not on the GPU")
+
+
 class DistributedDataParallel(nn.Module):
-    """What DDP does to devices, given device_ids on a GPU: the forward's inputs go to the module's device."""
+    """What DDP does to devices, given device_ids on a GPU: it takes a module on that GPU, and moves the forward's
+    inputs there. Its buckets and communication hooks do not run."""
     def __init__(self, module, device_ids=None, **options):
         super().__init__()
+        on_the_gpu(module, "DistributedDataParallel")
         self.module = module
 
     def forward(self, *inputs):
@@ -140,11 +156,16 @@ def fully_shard(module, mesh=None, mp_policy=None, **options):
     return module
 
 
+def device_mesh(device_type, shape, **options):   # FSDP2's mesh must be the GPU's; its group here is the CPU's
+    if device_type != "meta":
+        raise RuntimeError(f"a device mesh on {device_type!r}, not on the GPU")
+    return init_device_mesh("cpu", shape, **options)
+
+
 class Collectives:
     """dist's collectives as the page calls them: on the default group (NCCL on GPUs), each tensor must be on the
     "GPU", and then nothing happens (one process); on another group (the stop vote's gloo), the real one."""
-    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv",
-             "isend", "irecv")
+    NAMES = ("all_reduce", "broadcast")   # those the pages call themselves (one process: no ring's send/recv runs)
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -184,7 +205,7 @@ def as_on_a_gpu(monkeypatch, gpus=1):
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(nn, "DataParallel", DataParallel)
     fakes = {nn.parallel.DistributedDataParallel: DistributedDataParallel, real_fully_shard: fully_shard,
-             init_device_mesh: lambda device_type, shape, **options: init_device_mesh("cpu", shape, **options)}
+             init_device_mesh: device_mesh}
     for module in list(sys.modules.values()):   # the pages' own names for them (from torch... import ...)
         if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == HERE:
             for name, value in list(vars(module).items()):
