@@ -213,8 +213,9 @@ def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, 
     collectives and evaluation forwards all run on the "GPU", so the first thing that fails is the read-back of the
     evaluation's count, which meta cannot give. A batch left on the CPU, a count made there, a CPU tensor handed to
     NCCL fail earlier, naming the op. It cannot see a cuda:0/cuda:1 mix-up (one meta device stands for all), the
-    page's branches on `device.type == "cuda"` (they take their CPU side), CUDA's autocast rules, or NCCL between
-    processes (one process); ft_ddp_resnet.py trains on CPUs by design and is not here."""
+    page's branches on `device.type == "cuda"` (they take their CPU side), CUDA's autocast rules, anything between
+    processes (one process: no ring's send/recv, no `world_size > 1` path), or what comes after the first evaluation
+    (checkpoints, --resume, the outputs); ft_ddp_resnet.py trains on CPUs by design and is not here."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     if page not in (scratch_lenet, dp_resnet):   # one rank of a launcher, its own port
