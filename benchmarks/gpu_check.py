@@ -1,7 +1,7 @@
 """Every script briefly on this machine's GPUs, with its GPU flags: one table (row, layout, backend, exit
 status, test accuracy, samples/s), exit status 1 if any row failed. Without a GPU: one line, exit status 0.
 
-    python benchmarks/gpu_check.py                  # 2 rows at a time: about 3-4 minutes on one H100
+    python benchmarks/gpu_check.py                  # 2 rows at a time (not yet timed on a GPU)
     python benchmarks/gpu_check.py --jobs 1         # one row at a time, each row's samples/s its own: ~6 minutes
     python benchmarks/gpu_check.py --only ddp_toy   # the rows whose name starts so
 

@@ -7,9 +7,10 @@
 # On a machine without internet, put Fashion-MNIST's four .gz files (30 MB) in data/gz/ first, e.g.
 #     mkdir -p data/gz && cp /usr/share/datasets/fashion-mnist/*-ubyte.gz data/gz/   (Debian: dataset-fashion-mnist)
 # Everything goes to runs/gpu_speed_device/: each part's log, the phases' and the sweep's JSON, the profile's traces
-# and summaries, the sweep's runs' own lines. Where $OUT is set (a machine lent for one command), the four logs and
-# an archive of the whole folder are copied there (8 files at most come back), and the end of the output repeats
-# the tables. AFTER changes the candidate's flags; ROWS gpu_speed.py's rows; SWEEP adds flags to recipe_sweep.py.
+# and summaries, the sweep's runs' own lines. Where $OUT is set, the four logs and an archive of the whole folder
+# are copied there too (a few files, for a machine whose results are collected from one folder), and the end of
+# the output repeats the tables. AFTER changes the candidate's flags; ROWS gpu_speed.py's rows; SWEEP adds flags to
+# recipe_sweep.py.
 set -u
 shopt -s nullglob
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ mkdir -p "$RESULTS" data/FashionMNIST/raw
 
 for gz in data/gz/*-ubyte.gz; do   # where ddp_resnet.py's default ./data has them
     raw=data/FashionMNIST/raw/$(basename "$gz" .gz)
-    [ -s "$raw" ] || timeout 2 gunzip -c "$gz" > "$raw"
+    [ -s "$raw" ] || { timeout 2 gunzip -c "$gz" > "$raw.tmp" && mv "$raw.tmp" "$raw"; }   # never a truncated one
 done
 if [ "$(ls data/FashionMNIST/raw | wc -l)" -lt 4 ]; then
     echo "no Fashion-MNIST in data/FashionMNIST/raw: carry data/gz (see the top of $0)"; exit 1

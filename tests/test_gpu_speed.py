@@ -108,7 +108,8 @@ def test_phases_of_a_small_run_add_up_to_its_time_from_the_command_to_its_done_l
         assert expected in named, (expected, named)
     before_done = [float(m.group(2)) for m in phases[:named.index("curves.png (drawn, saved), the done: line") + 1]]
     total = float(re.search(r"= from the command to its done: line +([\d.]+)", result.stdout).group(1))
-    assert all(seconds >= 0 for seconds in before_done) and abs(sum(before_done) - total) < 0.02
+    rounding = 0.005 * (len(before_done) + 1)   # each figure printed to 0.01 s: their sum drifts from the total's
+    assert all(seconds >= 0 for seconds in before_done) and abs(sum(before_done) - total) <= rounding
     metrics = json.load(open(tmp_path / "out" / "metrics.json"))
     training = sum(e["seconds"] for e in metrics["epochs"])
     assert f"training, the page's own epoch seconds: {training:.2f} s (4 steps" in result.stdout
