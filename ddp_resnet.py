@@ -5,13 +5,12 @@
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 ddp_resnet.py
     torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 --warmup-epochs 2
 
-Your data goes in datasets() below. DIR holds train/ and val/, one subfolder of images per class
-(torchvision's ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead. Either way
-DistributedSampler gives each rank its share of the same global batches at any world size. The learning
-rate is given for 256 samples, scaled with the global batch, warmed up, then decayed (Goyal et al. 2017).
-SIGTERM or SIGUSR1 stops every rank at the same step with a checkpoint; --resume goes on from it exactly
-when BatchNorm sees the same batches (the same ranks x --accum-steps), else close to it, said.
-Copy it with common.py. Lines that exist only because of DDP are tagged `# DDP:`.
+Your data goes in datasets() below. DIR holds train/ and val/, one subfolder of images per class (torchvision's
+ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead. Either way DistributedSampler gives
+each rank its share of the same global batches at any world size. The learning rate is given for 256 samples, scaled
+with the global batch, warmed up, then decayed (Goyal et al. 2017). SIGTERM or SIGUSR1 stops every rank at the same step
+with a checkpoint; --resume goes on from it exactly when BatchNorm sees the same batches (the same ranks x
+--accum-steps), else close to it, said. Copy it with common.py. Lines only DDP needs are tagged `# DDP:`.
 """
 import argparse, contextlib, functools, math, os, sys, time, warnings
 import torch
@@ -289,8 +288,9 @@ def parse_args(argv=None):
                    "too, at any world size with the same flags; without one, start at step 0")
     args = p.parse_args(argv)
     if args.powersgd_start < 2:
-        p.error(f"argument --powersgd-start: must be 2 or more (DDP re-buckets after step 1), got "
-                f"{args.powersgd_start}")
+        p.error(f"argument --powersgd-start: must be 2 or more (DDP rebuckets after step 1), got {args.powersgd_start}")
+    if args.label_smoothing > 1:
+        p.error(f"argument --label-smoothing: must be at most 1, got {args.label_smoothing:g}")
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     return args
 

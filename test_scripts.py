@@ -323,6 +323,7 @@ def test_replicas_compute_at_the_same_time(monkeypatch):
     (scratch_ring, ["--bucket-kb", "0"], "error: argument --bucket-kb: must be positive, got 0"),
     (ddp_resnet, ["--epochs", "abc"], "error: argument --epochs: invalid int value: 'abc'"),
     (ddp_resnet, ["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'"),
+    (ddp_resnet, ["--label-smoothing", "1.5"], "error: argument --label-smoothing: must be at most 1, got 1.5"),
 ])
 def test_bad_flags_give_argparse_errors(script, flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
