@@ -7,9 +7,10 @@ WHERE: `backward` (SIGKILL from a gradient hook in the middle of backward), `all
 allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's state), `broken`
 (from its STEP-th attempt on, its allreduce fails at once, as over a broken link: it leaves the
 group and votes no), `handshake` (SIGSTOP once its address is in the store while its first group
-is made: its peers connect to a process that does not answer). STEP: the member's STEP-th attempt
-at a step (0-based), or its first recovery. This file patches the script's functions in its own
-process only."""
+is made: its peers connect to a process that does not answer), `coordinator-stops` (SIGSTOP to the
+coordinator, whose pid is in FT_COORDINATOR_PID, as it answers this member's join). STEP: the member's
+STEP-th attempt at a step (0-based), or its first recovery. This file patches the script's functions in
+its own process only."""
 import os, signal, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ft_ddp_resnet
@@ -74,12 +75,20 @@ class StopAfterSet(ft_ddp_resnet.dist.Store):   # the first group's store, as th
     def check(self, keys):
         return self.store.check(keys)
 
+heed = ft_ddp_resnet.Member.heed
+
+def heed_then_maybe_stop_the_coordinator(self, answer):
+    if where == "coordinator-stops" and "store" in answer:   # the answer to its join
+        os.kill(int(os.environ["FT_COORDINATOR_PID"]), signal.SIGSTOP)
+    return heed(self, answer)
+
 init_process_group = ft_ddp_resnet.dist.init_process_group
 
 def init_then_maybe_hang(*args, store, **kwargs):
     return init_process_group(*args, store=StopAfterSet(store) if where == "handshake" else store, **kwargs)
 
 ft_ddp_resnet.dist.init_process_group = init_then_maybe_hang
+ft_ddp_resnet.Member.heed = heed_then_maybe_stop_the_coordinator
 ft_ddp_resnet.compute, ft_ddp_resnet.exchange = compute_then_maybe_die, exchange_then_maybe_die
 ft_ddp_resnet.recover, ft_ddp_resnet.CoordinatorLink.ask = recover_then_maybe_die, ask_then_maybe_die
 sys.argv = [ft_ddp_resnet.__file__] + sys.argv[3:]

@@ -392,6 +392,18 @@ def test_a_hung_coordinator_and_a_sigterm_while_waiting_each_end_a_member_with_i
         assert waited < 4 + 10 or "its store did not answer" in run.log("m0") + run.log("m1")
 
 
+def test_a_coordinator_that_hangs_as_it_admits_a_member_leaves_that_member_its_checkpoint(tmp_path):
+    """The coordinator stopped (SIGSTOP) just as it answers a member's join: the member hears nothing for
+    --member-timeout and leaves with its checkpoint, exit 75. (It once connected to the coordinator's store right
+    there, and torch's TCPStore client waits for ever on a stopped store, whatever its timeout.)"""
+    with Run(tmp_path) as run:
+        env = {**ENV, "FT_COORDINATOR_PID": str(run.coordinator.pid)}
+        run.member("m0", "--min-members", "2", dies=("coordinator-stops", 0), env=env)
+        assert run.wait("m0", timeout=60) == [75], run.log("m0")
+        assert "lost the coordinator at" in run.log("m0") and "Traceback" not in run.log("m0")
+        assert (tmp_path / "m0" / "checkpoint.pt").exists()
+
+
 def test_a_step_that_fails_again_and_again_ends_the_run_with_one_line_naming_it(tmp_path):
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "2")
