@@ -8,10 +8,10 @@ the pieces in threads of this one process, gathers the outputs on the first GPU,
 Simple to use, but every step pays for those copies and the first GPU's extra work, all driven by one Python process
 (its threads share one interpreter): PyTorch recommends DistributedDataParallel (ddp_resnet.py) even on one machine.
 
-On several GPUs (not yet run on such a machine) BatchNorm normalises each GPU's share of the batch, as each DDP rank
-does, and only the first GPU keeps running statistics: DataParallel drops what the replicas on the others write in
-their forward. Those replicas get contiguous copies of the weights, not channels_last ones. The timer waits for the
-first GPU alone: every step ends there (the gradients summed, the update).
+On several GPUs BatchNorm normalises each GPU's share of the batch, as each DDP rank does, and only the first GPU keeps
+running statistics: DataParallel drops what the replicas on the others write in their forward. Those replicas get
+contiguous copies of the weights, not channels_last ones. The timer waits for the first GPU alone: every step ends there
+(the gradients summed, the update).
 Copy it with common.py. Lines that exist only because of DataParallel are tagged `# DP:`.
 """
 import argparse, os, time
@@ -72,7 +72,7 @@ def train(args):
         timer = common.Timer(device)
         totals = torch.zeros(3, device=device, dtype=torch.float64)   # summed loss, hits, samples
         net.train()
-        for X, y in train_batches:   # the batch on the first GPU, whence DataParallel scatters it; y stays there
+        for X, y in train_batches:   # both to the first GPU: DataParallel scatters X from it, gathers logits on it
             X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
             train_step(model, optimizer, X, y.to(device, non_blocking=True), totals)
             step += 1

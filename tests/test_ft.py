@@ -104,7 +104,7 @@ def test_three_members_and_two_end_bit_equal_with_the_weights_of_the_reference(u
     reference's (tests/helpers.py: what a DDP step is proven to compute, by hand in one process) with BatchNorm over
     each of the 4 micro-batches of 4 images, micro-batch 0's running statistics, the cosine over the run's 6 steps
     and the gradients' mean exact (float64 sums): members that all share a wrong step (the mean's divisor, the
-    statistics, the schedule) are equal, not right. Within the ResNet comparisons' tolerance (bit for bit here)."""
+    statistics, the schedule) are equal, not right. Within the ResNet comparisons' tolerance (0 measured here)."""
     reference = resnet_reference(4, steps=6, samples=96, total_steps=6, consecutive=True, exact_mean=True)
     assert max_difference(uninterrupted, reference) <= resnet_tolerance
 
