@@ -211,8 +211,8 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
 
         def make():   # FT: made["failure"]: None once made, or why it failed
             started = time.monotonic()
-            try:   # FT: a client of the coordinator's store: connecting to it when it hangs waits for ever too
-                client = dist.TCPStore(self.args.join[0], self.store_port, timeout=timedelta(seconds=self.timeout))
+            try:   # a client of the coordinator's store: connecting to it when it hangs waits for ever too
+                client = dist.TCPStore(*self.store_at, timeout=timedelta(seconds=self.timeout))   # FT: the store
                 store = SignedStore(client, self.secret, generation_prefix(self.secret, self.run_id, self.gen))
                 dist.init_process_group("gloo", store=store, rank=quorum["rank"],   # FT: its own group
                                         world_size=quorum["world"], timeout=timedelta(seconds=self.timeout))
@@ -291,7 +291,7 @@ class Member:   # quorum, group, step, vote; stopped, dropped or without its coo
         self.name = f"member {answer['id']}"
         self.run_id = answer["run"]
         self.timeout = self.link.timeout = answer["timeout"]   # FT: the run's, for every wait
-        self.store_port = answer["store"]   # FT: where its groups meet, on the coordinator's host
+        self.store_at = (host, answer["store"])   # FT: where its groups meet, on the coordinator's host
         print(f"{self.name}: joined run {self.run_id} at {host}:{port}, at step {self.progress['step']}", flush=True)
 
     def ask_coordinator(self, message=None):
