@@ -123,7 +123,7 @@ def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uni
         run.member("m2", "--min-members", "3", dies=(where, 2))
         assert run.wait("m2") == [-signal.SIGKILL]
         assert max_difference(finished(run, "m0", "m1"), uninterrupted) == 0
-        assert re.search(r"generation 2: 2 member\(s\), from step 2", run.log("m0")), run.log("m0")
+        assert re.search(r"generation 2: 2 member\(s\) from step 2", run.log("m0")), run.log("m0")
         metrics = json.load(open(tmp_path / "m0" / "metrics.json"))
         assert metrics["steps"] == 6 and metrics["generations"] == 2
         run.member("m2", "--resume")
@@ -208,7 +208,7 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         # Back, it rejoins at the step of its checkpoint; if the others' failed step was not yet retried, the
         # new generation starts there and nothing needs recovering; if they had gone on, it recovers.
         rejoined = re.search(r"joined run \S+ at \S+, at step (\d+)\n"
-                             r".*generation \d+: \d+ member\(s\), from step (\d+)",
+                             r".*generation \d+: \d+ member\(s\) from step (\d+)",
                              log.split("dropped by the coordinator")[1])
         assert rejoined, log
         assert ("recovered live at step" in log) == (int(rejoined[1]) < int(rejoined[2])), log
