@@ -1,64 +1,94 @@
-"""What the scripts share that is not their lesson: the group, the loaders, accuracy, the stop, writes, outputs."""
-import argparse, atexit, contextlib, gc, glob, hashlib, json, math, multiprocessing, os, pathlib, signal, sys, time
-import traceback
+"""What the scripts share and a user rarely edits: the device and the group, the data and its
+loaders, a stop every rank agrees on, where a run is, atomic writes and the outputs.
+
+Importing it defines names and does nothing else.
+"""
+import argparse, contextlib, dataclasses, functools, gc, glob, hashlib, importlib.util, json
+import math, multiprocessing, os, pathlib, signal, sys, time, traceback
 import torch
 import torch.distributed as dist
-import torch.distributed.nn   # noqa: F401  before any group: imported after one (as DDP, torch.compile, torchvision
-# do), its functions keep it as a default argument past destroy_process_group, and gloo's threads abort the exit
+# Imported before any group exists. Imported after one (as DDP, torch.compile and torchvision
+# import it), its functions keep that group as a default argument past destroy_process_group,
+# and gloo's threads then abort the interpreter's exit.
+import torch.distributed.nn  # noqa: F401
 from torch.distributed.rendezvous import rendezvous
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
-from matplotlib.figure import Figure   # curves.png, drawn without pyplot: no display, no window
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import TensorDataset
+
 
 # ---------------------------------------------------------------- the device and the group
-def default_to_one_process():   # no launcher: a group of one, on any free port
+def default_to_one_process():
+    """Started without a launcher: a group of one, on a port the OS picks."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="0")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+
 
 def pick_device(backend, gpus_each=1, cuda=None):
-    here, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    """This process's device: the first of its `gpus_each` GPUs on its node, or the CPU."""
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank = os.environ.get("RANK", 0)
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     if not cuda:
         if backend == "nccl":
-            sys.exit(f"rank {os.environ.get('RANK', 0)}: error: --backend nccl needs GPUs, and this machine has none")
-        if "OMP_NUM_THREADS" not in os.environ:   # torchrun sets 1; started otherwise, a node's ranks share its cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // here))
+            sys.exit(f"rank {rank}: error: --backend nccl needs GPUs, and this machine has none")
+        # torchrun sets OMP_NUM_THREADS=1; started otherwise, the ranks of a node share its cores.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, torch.get_num_threads() // processes_here))
         return torch.device("cpu")
-    if torch.cuda.device_count() == gpus_each and os.environ.get("CUDA_VISIBLE_DEVICES"):
-        here, local_rank = 1, 0   # the launcher shows each process its own GPUs alone (srun --gpus-per-task): 0 .. K-1
-    if backend == "nccl" and here * gpus_each > torch.cuda.device_count():
-        sys.exit(f"rank {os.environ['RANK']}: error: {here} processes x {gpus_each} GPUs on this node, which has "
-                 f"{torch.cuda.device_count()}; start at most one per GPU, or let them share: --backend gloo")
-    device = torch.device("cuda", local_rank * gpus_each % torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    # A launcher that shows each process its own GPUs alone (srun --gpus-per-task) numbers them
+    # from 0 in every process.
+    if gpus == gpus_each and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        processes_here, local_rank = 1, 0
+    if backend == "nccl" and processes_here * gpus_each > gpus:
+        sys.exit(f"rank {rank}: error: {processes_here} processes x {gpus_each} GPUs on this node, "
+                 f"which has {gpus}; start at most one per GPU, or let them share: --backend gloo")
+    device = torch.device("cuda", local_rank * gpus_each % gpus)
     torch.cuda.set_device(device)
     return device
 
+
 def attempt_store():
-    """torchrun's store (env://), this attempt's keys apart from the last one's, whose addresses are gone. Each
-    node's agent counts its restarts alone (pytorch#135712): on several nodes, let the scheduler restart a job."""
+    """torchrun's store (env://), with this attempt's keys apart from the last attempt's, whose
+    addresses are gone: without it a restart under torchrun --max-restarts fails to connect (the
+    killed-worker test). Each node's agent counts its restarts alone (pytorch#135712): on several
+    nodes, let the scheduler restart a job."""
     store, _, _ = next(rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
+
 @contextlib.contextmanager
 def leaving_the_group():
+    """Runs the training, then leaves the process group, whether it ended, stopped or failed."""
     try:
         yield
-    except BaseException as e:   # its frames hold the DDP wrap: freed after the group, it could hang (torch 2.9)
+    except BaseException as e:
+        # Its frames hold the DDP wrap, and the loaders: freed only after the group, the wrap
+        # could hang (torch 2.9), and the loaders' workers would outlive the run.
         traceback.clear_frames(e.__traceback__)
         raise
-    finally:   # a group alive at the interpreter's exit can abort it
+    finally:
+        # A group still alive at the interpreter's exit can abort it. Its last users go first:
+        # a DDP wrap is a cycle of references, which only the collector frees, and a loader
+        # freed ends its workers, which ignore SIGTERM.
         if dist.is_initialized():
-            gc.collect()   # the group's last users first: a DDP wrap is a cycle of references, freed only by gc
+            gc.collect()
             dist.destroy_process_group()
 
-def every_rank(value, world_size):   # [rank 0's value, rank 1's, ...]
+
+def every_rank(value, world_size):
+    """[rank 0's value, rank 1's, ...], on every rank."""
     values = [None] * world_size
     dist.all_gather_object(values, value)
     return values
 
+
 def load_on_every_rank(load, world_size):
-    """load() on each node's first process, then on its others (a download happens once a node). A refusal
-    (SystemExit) on any rank ends every rank at once: that rank says why."""
+    """load() on each node's first process, then on its others, so that a download happens once a
+    node. A refusal (SystemExit) on any rank ends every rank at once; that rank says why."""
     loaded = problem = None
     for first in (True, False):
         if (os.environ.get("LOCAL_RANK", "0") == "0") == first:
@@ -71,300 +101,462 @@ def load_on_every_rank(load, world_size):
             sys.exit(problem or f"stopping: rank {failed[0]} cannot go on (its line says why)")
     return loaded
 
-# ---------------------------------------------------------------- data: Fashion-MNIST, images, batches
-MEAN, STD = 0.2860, 0.3530    # of Fashion-MNIST's training images, for inputs near zero mean, unit variance
+
+# ---------------------------------------------------------------- data: Fashion-MNIST, image folders
+# The mean and standard deviation of Fashion-MNIST's training images: inputs near 0, spread 1.
+MEAN, STD = 0.2860, 0.3530
+
 
 def fashion_mnist(data_dir=None, train_samples=None, test_samples=None):
-    """(training set, test set, 10): torchvision's FashionMNIST, the first N images of each, normalised. It is
-    downloaded only into the default folder, ./data: a folder you name, mistyped too, is never filled."""
+    """(training set, test set, 10): torchvision's FashionMNIST, the first N images of each,
+    normalised. It is downloaded only into the default folder, ./data: a folder you name, a
+    mistyped one too, is never filled."""
     from torchvision.datasets import FashionMNIST
     raw = os.path.join(data_dir or "data", "FashionMNIST", "raw")
     if data_dir and not os.path.isdir(data_dir):
         found = "is not a folder" if os.path.exists(data_dir) else "does not exist"
         sys.exit(f"error: --data-dir {data_dir} {found}")
     if data_dir and not os.path.isdir(raw):
-        sys.exit(f"error: --data-dir {data_dir} holds neither Fashion-MNIST ({raw}) nor, for the ResNet scripts, "
-                 f"train/ and val/ (a subfolder of images per class)")
+        sys.exit(f"error: --data-dir {data_dir} holds neither Fashion-MNIST ({raw}) nor, for the "
+                 f"ResNet scripts, train/ and val/ (a subfolder of images per class)")
     sets = []
     for train, n in ((True, train_samples), (False, test_samples)):
         try:
             data = FashionMNIST(data_dir or "data", train=train, download=not data_dir)
         except Exception as e:
-            sys.exit(f"error: cannot read Fashion-MNIST in {os.path.abspath(raw)} ({' '.join(str(e).split())[:200]})."
-                     f" Do one of:\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks dataset-fashion-mnist"
-                     f" there)\n- on a machine with internet: python -c \"import torchvision; torchvision.datasets."
-                     f"FashionMNIST('data', download=True)\", then copy data/ here")
-        images = data.data[:n].float().div_(255).sub_(MEAN).div_(STD)   # in place: no temporaries of 190 MB
+            sys.exit(f"error: cannot read Fashion-MNIST in {os.path.abspath(raw)} ({one_line(e)})."
+                     f" Do one of:\n- bash run_all.sh (as root on Debian or Ubuntu it unpacks"
+                     f" dataset-fashion-mnist there)\n- on a machine with internet: python -c"
+                     f" \"import torchvision; torchvision.datasets.FashionMNIST('data',"
+                     f" download=True)\", then copy data/ here")
+        # Normalised in place: no temporary copies of 190 MB.
+        images = data.data[:n].float().div_(255).sub_(MEAN).div_(STD)
         sets.append(TensorDataset(images.unsqueeze(1), data.targets[:n]))
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"data: Fashion-MNIST from {os.path.abspath(raw)}", flush=True)
     return sets[0], sets[1], 10
 
-def read_image(path, mode=None):   # in `mode`, else gray or RGB as it is; PIL's errors do not all name the file
+
+def image_folders(data_dir, train_transforms, test_transforms, train_samples=None,
+                  test_samples=None):
+    """(training set, test set, number of classes) of `data_dir`/train and `data_dir`/val, one
+    subfolder of images per class (torchvision's ImageFolder). Each set's transforms are followed
+    by ToTensor and a normalisation: Fashion-MNIST's for gray images, ImageNet's for colour ones.
+    Every image is read in the mode of the first one."""
+    from torchvision import transforms as T
+    from torchvision.datasets import ImageFolder
+    folders = []
+    for split in ("train", "val"):
+        try:
+            folders.append(ImageFolder(os.path.join(data_dir, split)))
+        except OSError as e:
+            # No class folders, or a class without images: torchvision's message names it.
+            sys.exit(f"error: {os.path.join(data_dir, split)}: {e}")
+    train, val = folders
+    if train.classes != val.classes:
+        sys.exit(f"error: {data_dir}/train and {data_dir}/val have other class folders "
+                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
+    mode = read_image(train.samples[0][0]).mode
+    normalize = T.Normalize((MEAN,), (STD,))
+    if mode == "RGB":
+        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    sets = []
+    for folder, transforms, n in ((train, train_transforms, train_samples),
+                                  (val, test_transforms, test_samples)):
+        folder.loader = functools.partial(read_image, mode=mode)
+        folder.transform = T.Compose(transforms + [T.ToTensor(), normalize])
+        # N images spread over the classes: a folder's images are sorted by class.
+        if n and n < len(folder):
+            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
+        sets.append(folder)
+    return sets[0], sets[1], len(train.classes)
+
+
+def read_image(path, mode=None):
+    """The image at `path` in `mode`, else gray or RGB as it is. PIL's errors do not all name the
+    file; these do."""
     from PIL import Image
     try:
         with Image.open(path) as image:
-            return image.convert(mode or ("L" if image.mode in ("1", "L") else "RGB"))   # a truncated one fails here
+            # A truncated file fails here, where its pixels are read.
+            return image.convert(mode or ("L" if image.mode in ("1", "L") else "RGB"))
     except Exception as e:
-        raise RuntimeError(f"error: cannot read {path} ({' '.join(str(e).split())[:200]}): replace or remove it")
+        raise RuntimeError(f"error: cannot read {path} ({one_line(e)}): replace or remove it")
+
+
+def one_line(error, limit=200):
+    """An error's message on one line, at most `limit` characters."""
+    return " ".join(str(error).split())[:limit]
+
 
 def check_batch(global_batch, world_size, train_samples, rank, asked=None):
+    """The per-rank batch, or a refusal in one line (said by rank 0) when it cannot be made."""
     if asked and train_samples > asked and rank == 0:
-        print(f"note: datasets() gave {train_samples} training samples: it does not apply --train-samples {asked}",
-              flush=True)
+        print(f"note: datasets() gave {train_samples} training samples: it does not apply "
+              f"--train-samples {asked}", flush=True)
     if global_batch % world_size:
-        sys.exit(f"error: --batch-size {global_batch} does not divide by the {world_size} ranks" if rank == 0 else 1)
-    if train_samples < global_batch:
-        sys.exit(f"error: {train_samples} training samples are fewer than --batch-size {global_batch}"
+        sys.exit(f"error: --batch-size {global_batch} does not divide by the {world_size} ranks"
                  if rank == 0 else 1)
+    if train_samples < global_batch:
+        sys.exit(f"error: {train_samples} training samples are fewer than --batch-size "
+                 f"{global_batch}" if rank == 0 else 1)
     return global_batch // world_size
 
+
+# ---------------------------------------------------------------- batches
 class Seeded(Dataset):
-    """`dataset`'s items, each drawn with torch's generator seeded from (seed, epoch, index): the same augmentation
-    at any world size and number of workers, and after a resume. The epoch is in memory the workers share."""
+    """`dataset`'s items, each drawn with torch's generator seeded from (seed, epoch, index): the
+    same augmentation at any world size and number of workers, and after a resume. The epoch sits
+    in memory the workers share."""
     def __init__(self, dataset, seed):
-        self.dataset, self.seed, self.epoch = dataset, seed, torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.dataset, self.seed = dataset, seed
+        self.epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+
     def __len__(self):
         return len(self.dataset)
+
     def __getitem__(self, index):
-        key = f"{self.seed} {int(self.epoch)} {index}".encode()   # any --seed, to the 64 bits manual_seed takes
-        with torch.random.fork_rng(devices=[]):   # the caller's generator as it was
-            torch.default_generator.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big"))
+        # Any --seed, hashed to the 64 bits manual_seed takes.
+        key = hashlib.blake2b(f"{self.seed} {int(self.epoch)} {index}".encode(), digest_size=8)
+        # The caller's generator is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(int.from_bytes(key.digest(), "big"))
             return self.dataset[index]
 
+
 class ResumableSampler(DistributedSampler):
-    """One order per epoch from seed + epoch; rank r's k-th batch is positions r, r+W, ... of block k of it: the
-    same global batches at any world size. set_epoch(epoch, start) begins at batch `start` (a resume)."""
+    """One order per epoch from seed and epoch; rank r's k-th batch is positions r, r+W, ... of
+    block k of it: the same global batches at any world size. set_epoch(epoch, start) begins at
+    batch `start`, for a resume."""
     def __init__(self, dataset, rank_batch, rank, world_size, seed):
-        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                         drop_last=True)
         self.rank_batch, self.start = rank_batch, 0
+
     def set_epoch(self, epoch, start=0):
         super().set_epoch(epoch)
         self.start = start
         if isinstance(self.dataset, Seeded):
             self.dataset.epoch.fill_(epoch)
+
     def __iter__(self):
         return iter(list(super().__iter__())[self.start * self.rank_batch:])
+
     def __len__(self):
         return super().__len__() - self.start * self.rank_batch
 
-STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]   # Windows: no USR1
 
-def ignore_stop_signals(worker_id):   # SLURM signals every process: the rank decides, and ends its workers
+# Windows has no SIGUSR1.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)]
+
+
+def ignore_stop_signals(worker_id):
+    """A loader worker's start. SLURM signals every process of a job: the rank decides when to
+    stop, and its loaders end their workers."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
-@atexit.register
-def kill_workers():   # they ignore SIGTERM, which multiprocessing would send them at exit, then wait for ever
-    for child in multiprocessing.active_children():
-        child.kill()
 
 def loader(dataset, batches, device, workers=0, **options):
-    """Batches in pinned memory for the GPU, each copied as the step begins, without waiting. Tensors in memory:
-    one indexing a batch. Any other Dataset: in `workers` processes forked by a fork server that has imported
-    torchvision once (one forked from a rank whose gloo threads hold a lock can hang)."""
+    """Batches in pinned memory for the GPU, each copied as the step begins, without waiting.
+    Tensors in memory: one indexing a batch. Any other Dataset: read by `workers` processes,
+    forked by a fork server that has imported torchvision once (a worker forked from a rank whose
+    gloo threads hold a lock can hang). Its workers end when the loader is freed."""
+    pin = device.type == "cuda"
     if isinstance(dataset, TensorDataset):
-        return DataLoader(dataset, sampler=batches, batch_size=None, pin_memory=device.type == "cuda")
+        return DataLoader(dataset, sampler=batches, batch_size=None, pin_memory=pin)
     context = None
     if workers and sys.platform == "linux":
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["__main__", "torchvision"])
-    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=device.type == "cuda",
-                      worker_init_fn=ignore_stop_signals, multiprocessing_context=context, **options)
+    return DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=pin,
+                      worker_init_fn=ignore_stop_signals, multiprocessing_context=context,
+                      **options)
+
 
 def train_loader(dataset, global_batch, seed, rank, world_size, device, workers=0):
-    """(loader, sampler): this rank's 1/W of every global batch; call sampler.set_epoch(epoch, start) each epoch."""
+    """(loader, sampler): this rank's 1/W of every global batch. Call sampler.set_epoch(epoch,
+    start) before each epoch."""
     if not isinstance(dataset, TensorDataset):
         dataset = Seeded(dataset, seed)
-    sampler = ResumableSampler(dataset, global_batch // world_size, rank, world_size, seed)
-    batches = BatchSampler(sampler, global_batch // world_size, drop_last=True)
+    rank_batch = global_batch // world_size
+    sampler = ResumableSampler(dataset, rank_batch, rank, world_size, seed)
+    batches = BatchSampler(sampler, rank_batch, drop_last=True)
     return loader(dataset, batches, device, workers, persistent_workers=workers > 0), sampler
 
+
 def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
-    """This rank's slice, each image once (DistributedSampler repeats or drops some), as many batches on all ranks."""
+    """This rank's slice of the test set, each image once over all ranks (DistributedSampler
+    repeats or drops some), in as many batches on every rank."""
     mine = torch.arange(len(dataset)).tensor_split(world_size)[rank]
-    chunks = [c.tolist() for c in mine.tensor_split(max(1, math.ceil(len(dataset) / world_size / batch_size)))]
+    chunks = mine.tensor_split(max(1, math.ceil(len(dataset) / world_size / batch_size)))
+    chunks = [chunk.tolist() for chunk in chunks]
     return loader(dataset, chunks, device, min(workers, len(chunks)))
 
-@torch.no_grad()
-def accuracy(predict, batches, device, world_size):
-    """[correct, count] over this rank's (X, y) batches, summed over ranks (divided by the caller): integers on
-    `device` (a count made on the CPU could not be summed with CUDA's), exact at any size."""
-    totals = torch.zeros(2, device=device, dtype=torch.int64)
-    for X, y in batches:
-        y = y.to(device, non_blocking=True)
-        totals[0] += (predict(X.to(device, non_blocking=True)).argmax(1) == y).sum()
-        totals[1] += len(y)   # a Python number: added on the device, no copy
-    if world_size > 1:
-        dist.all_reduce(totals)
-    return totals.tolist()
 
-# ---------------------------------------------------------------- the model and the recipe
+class Sums(dict):
+    """Running sums by name (an epoch's loss, its right answers, its samples), kept as tensors on
+    the device: adding to them waits for nothing. total() reads them, summed over the ranks,
+    where the run waits anyway."""
+    @classmethod
+    def on(cls, device, **start):
+        """The sums named in `start`, from its values: Sums.on(device, loss=0, samples=0)."""
+        values = torch.tensor(list(start.values()), dtype=torch.float64, device=device)
+        return cls(zip(start, values))
+
+    def total(self):
+        """{name: sum over all ranks}: one all_reduce, which waits for every rank."""
+        values = torch.stack(list(self.values()))
+        if dist.is_initialized():
+            dist.all_reduce(values)
+        return dict(zip(self, values.tolist()))
+
+
+# ---------------------------------------------------------------- the model
 def resnet(arch, classes, seed, channels=3, image_size=224, **options):
-    """Up to 64x64 pixels: a 3x3 stride-1 stem and no max-pool (torchvision's shrink 32x32 to 8x8 at once)."""
+    """A torchvision ResNet for `channels` x `image_size` images. Up to 64 pixels: a 3x3 stride-1
+    stem and no max-pool, where torchvision's would shrink 32x32 to 8x8 at once. `options` are
+    torchvision's (zero_init_residual, ...)."""
     import torchvision
-    torch.manual_seed(seed)   # every rank the same weights
-    net = torchvision.models.get_model(arch, num_classes=classes, **options)   # torchvision's: zero_init_residual, ...
+    # The same weights on every rank.
+    torch.manual_seed(seed)
+    net = torchvision.models.get_model(arch, num_classes=classes, **options)
     small = image_size <= 64
     if small or channels != 3:
         net.conv1 = torch.nn.Conv2d(channels, net.conv1.out_channels, kernel_size=3 if small else 7,
                                     stride=1 if small else 2, padding=1 if small else 3, bias=False)
-        torch.nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")   # as torchvision's
+        # As torchvision initialises its own.
+        torch.nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
     if small:
         net.maxpool = torch.nn.Identity()
     return net
 
-def sgd_recipe(net, lr, weight_decay, warmup_steps, total_steps, nesterov=False):
-    """SGD with momentum, a linear warm-up (large batches diverge without one), then cosine to zero; no
-    weight decay on BatchNorm and biases (the 1-D parameters: decaying them only fights the normalisation)."""
-    params = list(net.parameters())
-    optimizer = torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
-                                 {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}],
-                                lr=lr, momentum=0.9, nesterov=nesterov)
-    def factor(step):   # of optimizer step `step`, counted from 0
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
-# ---------------------------------------------------------------- a stop all ranks agree on, and the resume
-PREEMPTED = 75   # EX_TEMPFAIL, "try again later": not 0 (a finished training), not 1 (something broke)
+# ---------------------------------------------------------------- a stop every rank agrees on
+# EX_TEMPFAIL, "try again later": not 0 (a finished training), not 1 (something broke).
+PREEMPTED = 75
+
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 only note the signal; agreed() takes the largest noted by any rank, on a gloo group of
-    its own (CPU tensors whatever the backend): all stop after the same step. A rank stuck with a dead peer never
-    gets there: it is the scheduler's to kill."""
-    noted = 0   # the number of the signal this process received; 0: none (a handler holds no group alive)
+    """SIGTERM and SIGUSR1 only note the signal. agreed() takes the largest noted by any rank, on a
+    gloo group of its own (CPU tensors whatever the backend), so every rank stops after the same
+    step. A rank stuck with a dead peer never gets there: it is the scheduler's to kill."""
+    # The signal this process received; 0: none. Kept on the class: a handler holds no group.
+    noted = 0
+
     def __init__(self):
         StopSignal.noted = 0
         self.group = dist.new_group(backend="gloo")
         for signum in STOP_SIGNALS:
             signal.signal(signum, StopSignal.note)
+
     @staticmethod
     def note(signum, frame):
         StopSignal.noted = signum
-    def agreed(self):   # the name of a signal any rank received, or None: the same on every rank
+
+    def agreed(self):
+        """The name of a signal any rank received, or None: the same on every rank."""
         flag = torch.tensor([StopSignal.noted])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return signal.Signals(flag.item()).name if flag.item() else None
+        if flag.item() == 0:
+            return None
+        return signal.Signals(flag.item()).name
 
-def sync(path):   # a file's or folder's contents to disk (a rename is durable once its folder is synced)
-    with contextlib.suppress(OSError):   # a folder cannot be opened on Windows, nor synced on some file systems
+
+def say_stopped(signalled, step, checkpoint, master):
+    if master:
+        print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not "
+              f"finished, nothing failed): run again with --resume to go on from {checkpoint}",
+              flush=True)
+
+
+# ---------------------------------------------------------------- where a run is, and its resume
+@dataclasses.dataclass
+class Position:
+    """Where a run is: `step` optimizer steps done, `batch_in_epoch` of them in `epoch`, with the
+    epoch's sums over all ranks and its seconds so far. A checkpoint keeps one."""
+    epoch: int = 1
+    batch_in_epoch: int = 0
+    step: int = 0
+    # Sums.total() of the epoch so far: set only inside an epoch.
+    sums: dict = None
+    seconds: float = 0.0
+
+    def where(self, steps_per_epoch):
+        if self.batch_in_epoch:
+            return f"epoch {self.epoch} at batch {self.batch_in_epoch}/{steps_per_epoch}"
+        return f"epoch {self.epoch - 1} done"
+
+
+def check_keys(state, wanted):
+    """Refuses a checkpoint without the keys this script reads, in one line that names them and
+    those it holds instead."""
+    missing = wanted - state.keys()
+    if missing:
+        raise ValueError(f"it lacks {', '.join(sorted(missing))} and holds "
+                         f"{', '.join(sorted(state.keys() - wanted))}: it was written by another "
+                         f"script, or by an older version of this one")
+
+
+def resume_check(saved, here, path, master):
+    """Refuses, in one line, a checkpoint written with other training flags."""
+    differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in here.items() if saved.get(k) != v]
+    if differ:
+        sys.exit(f"error: cannot resume from {path}: it was written with other training flags "
+                 f"({'; '.join(differ)}); use the same, or start without --resume" if master else 1)
+
+
+def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
+    """The position a checkpoint holds, or None when this run has nothing left to train."""
+    # BatchNorm's batch may differ: the run then goes on close to the same, said below.
+    before, now = saved["flags"].get("batchnorm_batch"), flags.get("batchnorm_batch")
+    resume_check({**saved["flags"], "batchnorm_batch": now}, flags, path, master)
+    position = Position(**saved["position"])
+    if position.step >= final_step:
+        if master:
+            print(f"nothing to train: {path} is at step {position.step}, and this run ends at step "
+                  f"{final_step}")
+        return None
+    if master:
+        print(f"resumed from {path}: {position.where(steps_per_epoch)}, step {position.step}",
+              flush=True)
+    if master and before != now:
+        print(f"note: BatchNorm now normalises {now} images at a time, {before} "
+              f"before: the run goes on close to, not the same as, one never stopped (the same "
+              f"ranks x --accum-steps keep it the same)", flush=True)
+    return position
+
+
+# ---------------------------------------------------------------- files
+def fsync(path):
+    """A file's or folder's contents to disk: a rename is durable once its folder is synced."""
+    # A folder cannot be opened on Windows, nor synced on some file systems.
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
+
 def save_atomically(write, path):
-    """write(tmp), sync, rename, sync the folder: after a crash the file is the old or the new one. A failed write
-    removes its temporary file; a killed one's is removed by the next save of `path`."""
-    for left in glob.glob(f"{glob.escape(path)}.tmp[0-9]*"):   # as large as the file: retries would fill a disk
+    """write(tmp), fsync, rename, fsync the folder: after a crash the file is the old one or the
+    new one. A failed write removes its temporary file; a killed one's goes at the next save."""
+    # Each is as large as the file: retries would fill the disk.
+    for left in glob.glob(f"{glob.escape(path)}.tmp[0-9]*"):
         os.remove(left)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
-        sync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    sync(os.path.dirname(os.path.abspath(path)))
+    fsync(os.path.dirname(os.path.abspath(path)))
 
-# flags that do not change the batches or the steps (others are refused); "BatchNorm's batch" changes them a little
-MAY_DIFFER = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "workers", "data_dir",
-              "test_samples", "compile", "channels_last", "accum_steps", "backend", "BatchNorm's batch")
 
-def resume_check(saved, here, path, master, may_differ=MAY_DIFFER):
-    differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in here.items()
-              if k not in may_differ and saved.get(k) != v]
-    if differ:
-        sys.exit(f"error: cannot resume from {path}: it was written with other training flags ({'; '.join(differ)}); "
-                 f"use the same, or start without --resume" if master else 1)
-
-def position_text(epoch, batch_in_epoch, steps_per_epoch):   # of a checkpoint: at the start of `epoch`, or inside it
-    if batch_in_epoch:
-        return f"epoch {epoch} at batch {batch_in_epoch}/{steps_per_epoch}"
-    return f"epoch {epoch - 1} done"
-
-def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
-    resume_check(saved["flags"], flags, path, master)
-    position = {k: saved[k] for k in ("epoch", "batch_in_epoch", "step", "totals", "seconds")}
-    if position["step"] >= final_step:
-        if master:
-            print(f"nothing to train: {path} is at step {position['step']}, and this run ends at step {final_step}")
-        return None
-    before, now = saved["flags"].get("BatchNorm's batch"), flags.get("BatchNorm's batch")
-    if master:
-        where = position_text(position["epoch"], position["batch_in_epoch"], steps_per_epoch)
-        print(f"resumed from {path}: {where}, step {position['step']}", flush=True)
-    if master and before != now:
-        print(f"note: BatchNorm now normalises {now} images at a time, {before} before: the run goes on close to, "
-              f"not the same as, one never stopped (the same ranks x --accum-steps keep it the same)", flush=True)
-    return position
-
-# ---------------------------------------------------------------- the command line and the outputs
-def checked(kind, positive):   # an argparse type: a number of `kind`, above 0 (`positive`) or at least 0
+# ---------------------------------------------------------------- the command line
+def checked(kind, positive):
+    """An argparse type: a number of `kind`, above 0 if `positive`, else at least 0."""
     def parse(text):
         value = kind(text)
         if value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"must be {'positive' if positive else '0 or more'}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"must be {'positive' if positive else '0 or more'}, got {text}")
         return value
-    parse.__name__ = kind.__name__   # argparse says "invalid int value: 'abc'"
+    # argparse then says "invalid int value: 'abc'".
+    parse.__name__ = kind.__name__
     return parse
+
 
 positive_int, positive_float = checked(int, True), checked(float, True)
 non_negative_int, non_negative_float = checked(int, False), checked(float, False)
 
-class Timer:   # seconds since start (plus `already`, counted before a restart), after queued GPU work
+
+def flags_of(group, args):
+    """The values in `args` of the flags defined in the argparse group `group`."""
+    return {action.dest: getattr(args, action.dest) for action in group._group_actions}
+
+
+# ---------------------------------------------------------------- time, bytes and the outputs
+class Timer:
+    """Seconds since it started, plus `already` (counted before a restart), once the GPU's queued
+    work is done."""
     def __init__(self, device, already=0.0):
-        self.device, self.start = device, time.perf_counter() - already
+        self.device = device
+        self.start = time.perf_counter() - already
+
     def __call__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.start
 
-def nbytes(*tensors):   # what a collective is handed
+
+def nbytes(*tensors):
+    """The bytes of `tensors`: what a collective is handed."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
-def new_metrics(script, args, devices, backend, world_size, test_samples):   # `devices`: one per replica
-    each = len(devices) // world_size
-    return {"script": os.path.basename(script), "config": vars(args), "devices": [str(d) for d in devices],
-            "backend": backend, "world_size": world_size, "test_samples": test_samples, "epochs": [],
-            "layout": f"{world_size} process{'es' * (world_size > 1)} x {each} replica{'s' * (each > 1)}"}
 
-def record_epoch(metrics, epoch, totals, seconds, tested, verbose):   # totals: summed loss, hits, samples
-    loss_sum, hits, samples = totals.tolist()
-    correct, count = tested   # accuracy()'s: test_count shows each test image counted once, over all ranks
-    line = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": hits / samples, "test_acc": correct / count,
-            "test_count": count, "samples": samples, "samples_per_s": samples / seconds, "seconds": seconds}
-    metrics["epochs"].append(line)
-    if verbose:
-        print(f"epoch {epoch:3d}  loss {line['train_loss']:.4f}  train acc {line['train_acc']:.4f}  test acc "
-              f"{line['test_acc']:.4f}  {line['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+def new_metrics(script, args, devices, backend, world_size, test_samples):
+    """metrics.json's contents, without epochs yet. `devices`: one per replica. Refuses to start
+    without matplotlib, which draws curves.png."""
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit("error: matplotlib is not installed, and curves.png is drawn with it: "
+                 "pip install -r requirements.txt" if int(os.environ.get("RANK", 0)) == 0 else 1)
+    replicas = len(devices) // world_size
+    return {"script": os.path.basename(script), "config": vars(args),
+            "devices": [str(d) for d in devices], "backend": backend, "world_size": world_size,
+            "test_samples": test_samples, "epochs": [],
+            "layout": f"{world_size} process{'es' * (world_size > 1)} x {replicas} "
+                      f"replica{'s' * (replicas > 1)}"}
 
-def finish(metrics, steps, seconds, state_dict, sent_per_step):
-    by = {k: round(v) for k, v in sent_per_step.items()}
-    epochs, out = metrics["epochs"], metrics["config"]["out"]
-    metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"], sent_bytes_by_collective=by,
-                   samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
-                   sent_bytes_per_step=sum(by.values()))
-    text = json.dumps(metrics, indent=1)
+
+def epoch_record(epoch, trained, seconds, tested):
+    """An epoch's line of metrics.json, from the training's sums over all ranks (loss, correct,
+    samples) and what the evaluation measured."""
+    return {"epoch": epoch, "train_loss": trained["loss"] / trained["samples"],
+            "train_acc": trained["correct"] / trained["samples"], **tested,
+            "samples": trained["samples"], "samples_per_s": trained["samples"] / seconds,
+            "seconds": seconds}
+
+
+def write_outputs(metrics):
+    """metrics.json and curves.png in --out, each written whole or not at all."""
+    out, text = metrics["config"]["out"], json.dumps(metrics, indent=1)
     save_atomically(lambda tmp: pathlib.Path(tmp).write_text(text), f"{out}/metrics.json")
-    weights = {k: v.detach().cpu() for k, v in state_dict.items()}
-    save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
+    # Drawn without pyplot: no display, no window.
+    from matplotlib.figure import Figure
+    epochs = metrics["epochs"]
+    numbers = [e["epoch"] for e in epochs]
     fig = Figure(figsize=(9, 3.5), layout="tight")
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"), (ax_acc, "test_acc", "s-")):
-        ax.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], style, label=key.replace("_", " "))
-        ax.set(xlabel="epoch", xlim=(epochs[0]["epoch"] - 0.5, epochs[-1]["epoch"] + 0.5))
-        ax.locator_params(axis="x", integer=True, min_n_ticks=1)   # whole epochs: no tick at 2.5
+    for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"),
+                           (ax_acc, "test_acc", "s-")):
+        ax.plot(numbers, [e[key] for e in epochs], style, label=key.replace("_", " "))
+        ax.set(xlabel="epoch", xlim=(numbers[0] - 0.5, numbers[-1] + 0.5))
+        # Whole epochs: no tick at 2.5.
+        ax.locator_params(axis="x", integer=True, min_n_ticks=1)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} ({metrics['backend']})")
+    fig.suptitle(f"{metrics['script']}: {len(metrics['devices'])} x {metrics['devices'][0]} "
+                 f"({metrics['backend']})")
     save_atomically(lambda tmp: fig.savefig(tmp, format="png", dpi=100), f"{out}/curves.png")
-    print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))} "
-          f"({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} test samples, "
-          f"{metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, {metrics['sent_bytes_per_step'] / 1e6:.3g} MB "
-          f"to collectives per step and rank; wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)
+
+
+def finish(metrics, steps, seconds, state_dict, sent_per_step):
+    """The run's end: metrics.json, curves.png and model.pt in --out, and the closing line."""
+    epochs, out = metrics["epochs"], metrics["config"]["out"]
+    sent = {k: round(v) for k, v in sent_per_step.items()}
+    metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"],
+                   sent_bytes_by_collective=sent, sent_bytes_per_step=sum(sent.values()),
+                   samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs))
+    write_outputs(metrics)
+    weights = {k: v.detach().cpu() for k, v in state_dict.items()}
+    save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
+    print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))}"
+          f" ({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} "
+          f"test samples, {metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
+          f"{metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step and rank; wrote "
+          f"{out}/{{metrics.json,curves.png,model.pt}}", flush=True)

@@ -1,305 +1,460 @@
-"""ResNet-18 on Fashion-MNIST or your own data with DistributedDataParallel: the script to copy into real jobs.
+"""ResNet-18 on Fashion-MNIST or your own data with DistributedDataParallel: the script to copy.
 
     python ddp_resnet.py                          # one process, no launcher needed
     torchrun --nproc_per_node=2 ddp_resnet.py     # one process per GPU (or 2 on CPU, gloo)
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 ddp_resnet.py
-    torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 --warmup-epochs 2
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
+        ddp_resnet.py
+    torchrun --nproc_per_node=8 ddp_resnet.py --data-dir DIR --workers 8 --batch-size 1024 \\
+        --warmup-epochs 2
 
-Your data goes in datasets() below. DIR holds train/ and val/, one subfolder of images per class (torchvision's
-ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead. Either way DistributedSampler gives
-each rank its share of the same global batches at any world size. The learning rate is given for 256 samples, scaled
-with the global batch, warmed up, then decayed (Goyal et al. 2017). SIGTERM or SIGUSR1 stops every rank at the same step
-with a checkpoint; --resume goes on from it exactly when BatchNorm sees the same batches (the same ranks x
---accum-steps), else close to it, said. Copy it with common.py. Lines only DDP needs are tagged `# DDP:`.
+Your data goes in datasets() below: DIR holds train/ and val/, one subfolder of images per class
+(torchvision's ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead.
+Either way DistributedSampler gives each rank its share of the same global batches at any world
+size. The optimizer and its schedule are in make_optimizer(): SGD with momentum, the learning rate
+given for 256 samples and scaled with the global batch, warmed up, then decayed along a cosine
+(Goyal et al. 2017).
+
+SIGTERM or SIGUSR1 stops every rank after the same step, with a checkpoint. --resume goes on from
+it exactly when BatchNorm sees the same batches (the same ranks x --accum-steps), and says so when
+it goes on close to it instead. Copy it with common.py. Lines only DDP needs are tagged `# DDP:`.
 """
-import argparse, contextlib, functools, math, os, sys, time, warnings
+import argparse, contextlib, dataclasses, math, os, time, warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Subset
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from torchvision import transforms as T
-from torchvision.datasets import ImageFolder
 import common
+
+
+# ---------------------------------------------------------------- the flags
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+training = parser.add_argument_group("training", "what --resume must repeat: these choose the "
+                                     "batches, the steps and the weights")
+training.add_argument("--epochs", type=common.positive_int, default=5,
+                      help="passes over the training set")
+training.add_argument("--batch-size", type=common.positive_int, default=256,
+                      help="global batch, over all ranks")
+training.add_argument("--lr", type=common.positive_float, default=0.05,
+                      help="learning rate per 256 samples of the global batch")
+training.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
+                      help="epochs of the learning rate's linear ramp-up")
+training.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
+training.add_argument("--label-smoothing", type=common.non_negative_float, default=0.0,
+                      help="of the loss, 0 to 1")
+training.add_argument("--zero-init-residual", action="store_true",
+                      help="each residual block starts as the identity")
+training.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
+                      help="on the weights, not on biases or BatchNorm")
+training.add_argument("--seed", type=int, default=0,
+                      help="seeds the weights, the batch order and the augmentation")
+training.add_argument("--arch", default="resnet18",
+                      help="a torchvision ResNet (resnet18, resnet50, ...)")
+training.add_argument("--image-size", type=common.positive_int, default=224,
+                      help="image folders: resized and cropped to it")
+training.add_argument("--no-augment", action="store_true",
+                      help="image folders: no random crop and flip")
+training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
+training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+training.add_argument("--sync-bn", action="store_true",
+                      help="BatchNorm statistics over all ranks (CUDA only)")
+training.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
+                      help="compress the gradients DDP sends")
+training.add_argument("--powersgd-rank", type=common.positive_int, default=4,
+                      help="PowerSGD: the rank of the factors")
+training.add_argument("--powersgd-start", type=int, default=10,
+                      help="PowerSGD: plain allreduce for this many steps first (at least 2; "
+                      "PyTorch suggests ~10%% of the training)")
+parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
+                    "per class, or with Fashion-MNIST (FashionMNIST/raw/); default: ./data, "
+                    "where Fashion-MNIST is downloaded")
+parser.add_argument("--workers", type=common.non_negative_int, default=2,
+                    help="DataLoader's (not for data in memory)")
+parser.add_argument("--test-samples", type=common.positive_int, help="only N test images")
+parser.add_argument("--max-steps", type=common.positive_int,
+                    help="stop after this many optimizer steps")
+parser.add_argument("--accum-steps", type=common.positive_int, default=1,
+                    help="gradient accumulation's micro-batches")
+parser.add_argument("--channels-last", action="store_true",
+                    help="NHWC memory layout (faster convolutions on GPUs)")
+parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+parser.add_argument("--backend", choices=("nccl", "gloo"),
+                    help="default: nccl on CUDA, else gloo (can share a GPU)")
+parser.add_argument("--out", default="runs/ddp_resnet",
+                    help="folder for metrics.json, curves.png and model.pt")
+parser.add_argument("--checkpoint", help="written by rank 0 after every epoch, every "
+                    "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1 "
+                    "(default: <out>/checkpoint.pt)")
+parser.add_argument("--checkpoint-every", type=common.positive_int,
+                    help="also every N steps, inside epochs")
+parser.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 "
+                    "sees it), mid-epoch too, at any world size with the same training flags; "
+                    "without one, start at step 0")
+
+
+def parse_args(argv=None):
+    args = parser.parse_args(argv)
+    if args.powersgd_start < 2:
+        parser.error(f"argument --powersgd-start: must be 2 or more (DDP rebuckets after step 1), "
+                     f"got {args.powersgd_start}")
+    if args.label_smoothing > 1:
+        parser.error(f"argument --label-smoothing: must be at most 1, got "
+                     f"{args.label_smoothing:g}")
+    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
+    return args
+
 
 # ---------------------------------------------------------------- your data goes here
 def datasets(args):
-    """(training set, test set, number of classes): replace this body with your own Datasets. Any whose items
-    are (image tensor [C, H, W], label) will do: the model is made for their images' shape, and the loader
-    draws their random numbers (torch's) from (seed, epoch, index), so a resume is exact."""
+    """(training set, test set, number of classes): replace this body with your own Datasets. Any
+    whose items are (image tensor [C, H, W], label) will do: the model is made for their images'
+    shape, and the loader draws their random numbers (torch's) from (seed, epoch, index), so that
+    a resume is exact."""
     if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
         return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    folders = []
-    for split in ("train", "val"):
-        try:
-            folders.append(ImageFolder(os.path.join(args.data_dir, split)))
-        except OSError as e:   # no class folders, or a class without images: torchvision's message names it
-            sys.exit(f"error: {os.path.join(args.data_dir, split)}: {e}")
-    train, val = folders
-    if train.classes != val.classes:
-        sys.exit(f"error: {args.data_dir}/train and {args.data_dir}/val have other class folders "
-                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
-    mode = common.read_image(train.samples[0][0]).mode   # "L" or "RGB": every image is read as the first one is
-    normalize = T.Normalize((common.MEAN,), (common.STD,))   # Fashion-MNIST's for gray images, ImageNet's for colour
-    if mode == "RGB":
-        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    resize = [T.Resize(args.image_size), T.CenterCrop(args.image_size)]
-    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
-    parts = []
-    for folder, first, n in ((train, resize if args.no_augment else augment, args.train_samples),
-                             (val, resize, args.test_samples)):
-        folder.loader = functools.partial(common.read_image, mode=mode)
-        folder.transform = T.Compose(first + [T.ToTensor(), normalize])
-        if n and n < len(folder):   # N images spread over the classes (a folder's images are sorted by class)
-            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
-        parts.append(folder)
-    return parts[0], parts[1], len(train.classes)
+    size = args.image_size
+    resize = [T.Resize(size), T.CenterCrop(size)]
+    augment = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    if args.no_augment:
+        augment = resize
+    return common.image_folders(args.data_dir, augment, resize, args.train_samples,
+                                args.test_samples)
+
+
+# ---------------------------------------------------------------- the optimizer and its schedule
+def make_optimizer(raw_model, args, steps_per_epoch):
+    """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
+    biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
+    scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
+    batches diverge without one), then decayed to zero along a cosine."""
+    decay = [p for p in raw_model.parameters() if p.ndim > 1]
+    no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    lr = args.lr * args.batch_size / 256
+    optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=args.nesterov)
+    warmup_steps = round(args.warmup_epochs * steps_per_epoch)
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, steps_per_epoch * args.epochs - warmup_steps))
+    if warmup_steps == 0:
+        return optimizer, cosine
+    # Step k of the warm-up at (k + 1) / warmup_steps of the rate.
+    warmup = LinearLR(optimizer, 1 / warmup_steps, total_iters=warmup_steps - 1)
+    return optimizer, SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+# ---------------------------------------------------------------- one optimizer step
+def train_step(model, optimizer, X, y, args, sums):
+    """Forward and backward in --accum-steps micro-batches, then one optimizer step. The epoch's
+    sums grow on the device: nothing here waits for the GPU."""
+    optimizer.zero_grad(set_to_none=True)
+    for i in range(args.accum_steps):
+        # Micro-batch i: every accum_steps-th sample, as rank i of that many would take them.
+        X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
+        last = i == args.accum_steps - 1
+        # DDP: no allreduce before the last micro-batch, which sums them all at once
+        with contextlib.nullcontext() if last else model.no_sync():
+            with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
+                logits = model(X_micro)
+                loss = F.cross_entropy(logits, y_micro, label_smoothing=args.label_smoothing)
+            # The mean over the whole rank batch.
+            (loss / args.accum_steps).backward()
+        sums["loss"] += loss.detach() * len(y_micro)
+        sums["correct"] += (logits.argmax(1) == y_micro).sum()
+        # A Python number: no copy to the device.
+        sums["samples"] += len(y_micro)
+    optimizer.step()
+
+
+@torch.no_grad()
+def evaluate(raw_model, batches, device):
+    """The test accuracy over all ranks, each test image counted once, and that count. Every rank
+    evaluates rank 0's BatchNorm statistics, as DDP sends them before a forward (the last one
+    updated each rank's own)."""
+    for buffer in raw_model.buffers():
+        dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
+    raw_model.eval()
+    sums = common.Sums.on(device, correct=0, samples=0)
+    for X, y in batches:
+        y = y.to(device, non_blocking=True)
+        logits = raw_model(X.to(device, non_blocking=True))
+        sums["correct"] += (logits.argmax(1) == y).sum()
+        sums["samples"] += len(y)
+    raw_model.train()
+    tested = sums.total()   # DDP: summed over all ranks
+    return {"test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
+
 
 # ---------------------------------------------------------------- checkpoints
-def save_checkpoint(path, net, optimizer, scheduler, flags, history, **position):
-    state = {**position, "flags": flags, "history": history, "model": net.state_dict(),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-    common.save_atomically(lambda tmp: torch.save(state, tmp), path)
+class Checkpoint:
+    """One file, written by rank 0 and read by rank 0 alone (only its node's disk needs it): the
+    weights, the optimizer and its schedule, the run's position, the training flags it was written
+    with and the history of its epochs."""
+    KEYS = {"position", "flags", "history", "optimizer", "scheduler"}
 
-def load_checkpoint(path, net, optimizer, scheduler, master):
-    """Rank 0 reads the file and sends it to every rank (only rank 0's node needs it on its disk), but for the
-    weights: the DDP wrap broadcasts rank 0's anyway. The checkpoint, or None; an error is said once."""
-    state = [None]
-    if master and not os.path.exists(path):
-        print(f"no checkpoint at {path}: training starts from step 0", flush=True)
-    elif master:
-        try:
-            state[0] = torch.load(path, map_location="cpu")
-            net.load_state_dict(state[0].pop("model"))
-            missing = {"flags", "optimizer", "scheduler", "epoch", "batch_in_epoch", "step", "totals", "seconds",
-                       "history"} - state[0].keys()
-            if missing:
-                raise ValueError(f"it lacks {', '.join(sorted(missing))}")
-        except Exception as e:   # a foreign file can raise anything: say which file and why
-            state[0] = f"error: cannot resume from {path}: {' '.join(str(e).split())[:400]}"
-    dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint but its weights, or its verdict
-    if isinstance(state[0], str):
-        raise SystemExit(state[0] if master else 1)
-    if state[0]:
-        optimizer.load_state_dict(state[0]["optimizer"])
-        scheduler.load_state_dict(state[0]["scheduler"])
-    return state[0]
+    def __init__(self, args, raw_model, optimizer, scheduler, flags, metrics, steps_per_epoch):
+        self.path, self.every = args.checkpoint, args.checkpoint_every
+        self.raw_model, self.optimizer, self.scheduler = raw_model, optimizer, scheduler
+        self.flags, self.metrics, self.steps_per_epoch = flags, metrics, steps_per_epoch
+        self.master = dist.get_rank() == 0
 
-# ---------------------------------------------------------------- the wrap, and compressing what it sends
-def wrap(net, args, device, backend, resumed, master):
-    """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients in backward.
-    --comm-hook replaces each bucket's allreduce with one of PyTorch's (set before the first backward): bf16/fp16
-    cast down and back (half the bytes); PowerSGD (Vogels et al. 2019) sends each gradient matrix as two rank-R
-    factors, with error feedback and warm start, kept per bucket (on gloo one bucket: gloo may run several
-    buckets' factors in other orders on other ranks)."""
+    def due(self, here):
+        """Every --checkpoint-every steps; at an epoch's end the checkpoint waits for its
+        evaluation."""
+        inside = here.batch_in_epoch < self.steps_per_epoch
+        return self.every is not None and here.step % self.every == 0 and inside
+
+    def save(self, position):
+        """On every rank at the same step; rank 0 writes."""
+        if self.master:
+            state = {"position": dataclasses.asdict(position), "flags": self.flags,
+                     "history": self.metrics["epochs"], "model": self.raw_model.state_dict(),
+                     "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict()}
+            common.save_atomically(lambda tmp: torch.save(state, tmp), self.path)
+            where = position.where(self.steps_per_epoch)
+            print(f"  checkpoint: step {position.step} ({where})", flush=True)
+        # DDP: no rank goes on, or leaves at a stop, before it is on disk
+        dist.barrier()   # DDP: wait for rank 0's write
+
+    def resume(self, final_step):
+        """The position to go on from, and the history back in metrics["epochs"]: from step 0
+        without a checkpoint, None when this run has nothing left to train. Rank 0 reads the file
+        and sends it to every rank, but for the weights: the DDP wrap broadcasts rank 0's. An
+        error is said once."""
+        state = [None]
+        if self.master and not os.path.exists(self.path):
+            print(f"no checkpoint at {self.path}: training starts from step 0", flush=True)
+        elif self.master:
+            try:
+                state[0] = torch.load(self.path, map_location="cpu")
+                self.raw_model.load_state_dict(state[0].pop("model"))
+                common.check_keys(state[0], self.KEYS)
+            except Exception as e:
+                # A foreign file can raise anything: say which file, and why.
+                state[0] = f"error: cannot resume from {self.path}: {common.one_line(e, 400)}"
+        dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint, or its verdict
+        if isinstance(state[0], str):
+            raise SystemExit(state[0] if self.master else 1)
+        if state[0] is None:
+            return common.Position()
+        self.optimizer.load_state_dict(state[0]["optimizer"])
+        self.scheduler.load_state_dict(state[0]["scheduler"])
+        self.metrics["epochs"] = state[0]["history"]
+        return common.resume_position(state[0], self.flags, self.path, self.steps_per_epoch,
+                                      final_step, self.master)
+
+
+# ---------------------------------------------------------------- the wrap, and what it sends
+def wrap(raw_model, args, device, backend):
+    """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients
+    in backward. --comm-hook replaces each bucket's allreduce with one of PyTorch's, set before
+    the first backward: bf16 and fp16 cast down and back (half the bytes); PowerSGD (Vogels et
+    al. 2019) sends each gradient matrix as two rank-R factors, with error feedback and warm start
+    kept per bucket. Returns the wrapped model and PowerSGD's state (None without it)."""
+    # On gloo, PowerSGD gets one bucket: gloo may run several buckets' factors in other orders
+    # on other ranks.
     one_bucket = args.comm_hook == "powersgd" and backend == "gloo"
-    ddp_model = DDP(net, device_ids=[device] if device.type == "cuda" else None,   # DDP: the wrap
-                    gradient_as_bucket_view=True, bucket_cap_mb=1e6 if one_bucket else None)
-    # DDP warns of stride "mismatches" of size-1 dims on GPUs (pytorch#47163)
+    device_ids = [device] if device.type == "cuda" else None
+    model = DDP(raw_model, device_ids=device_ids, gradient_as_bucket_view=True,   # DDP: the wrap
+                bucket_cap_mb=1e6 if one_bucket else None)
+    # DDP warns of stride "mismatches" of size-1 dimensions on GPUs (pytorch#47163).
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     powersgd = None
-    if args.comm_hook in ("bf16", "fp16"):   # DDP: the hook
-        ddp_model.register_comm_hook(None, getattr(default_hooks, f"{args.comm_hook}_compress_hook"))
-    elif args.comm_hook == "powersgd":   # DDP: the hook. Its state is per bucket, and DDP makes its buckets anew in a
-        # process's first step: a checkpoint does not keep it, and a resume starts it afresh
-        powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+    if args.comm_hook in ("bf16", "fp16"):
+        hook = getattr(default_hooks, f"{args.comm_hook}_compress_hook")
+        model.register_comm_hook(None, hook)   # DDP: the hook
+    elif args.comm_hook == "powersgd":
+        powersgd = powerSGD_hook.PowerSGDState(process_group=None,
+                                               matrix_approximation_rank=args.powersgd_rank,
                                                start_powerSGD_iter=args.powersgd_start)
-        ddp_model.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)
-        if resumed and master:
-            print(f"note: PowerSGD starts afresh after a resume: plain allreduce for {args.powersgd_start} steps, "
-                  f"then empty error feedback (close to, not the same as, one uninterrupted run)", flush=True)
-    return ddp_model, torch.compile(ddp_model) if args.compile else ddp_model, powersgd
+        model.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)   # DDP: the hook
+    return model, powersgd
 
-def bytes_sent_per_step(net, args, powersgd, steps, world_size):
-    """What each rank hands to allreduce per step: every gradient once; PowerSGD counts its compressed steps'."""
-    sent = common.nbytes(*net.parameters())
+
+def bytes_sent_per_step(raw_model, args, powersgd, steps, world_size):
+    """What each rank hands to allreduce per step: every gradient once, in 16 bits with a 16-bit
+    hook; with PowerSGD, the mean of its plain and its compressed steps."""
+    if world_size == 1:
+        return {}
+    sent = common.nbytes(*raw_model.parameters())
     if args.comm_hook in ("bf16", "fp16"):
         sent //= 2
     if powersgd:
         plain = min(steps, args.powersgd_start)
-        sent = (plain * sent + 4 * powersgd.total_numel_after_compression) / steps   # fp32 gradients
-    return {f"all_reduce ({world_size} ranks)": sent} if world_size > 1 else {}
+        # Its factors are float32.
+        sent = (plain * sent + 4 * powersgd.total_numel_after_compression) / steps
+    return {f"all_reduce ({world_size} ranks)": sent}
 
-# ---------------------------------------------------------------- one optimizer step
-def train_step(model, ddp_model, optimizer, X, y, args, totals):
-    """Forward and backward in --accum-steps micro-batches, one optimizer step; sums kept on the device (no sync)."""
-    optimizer.zero_grad(set_to_none=True)
-    for i in range(args.accum_steps):   # micro-batch i: every accum_steps-th sample, as rank i of that many would
-        X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
-        # DDP: no gradient allreduce but on the last micro-step; it sums them all at once
-        with contextlib.nullcontext() if i == args.accum_steps - 1 else ddp_model.no_sync():
-            with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
-                logits = model(X_micro)
-                loss = F.cross_entropy(logits, y_micro, label_smoothing=args.label_smoothing)
-            (loss / args.accum_steps).backward()   # the mean over the whole rank batch
-        totals[0] += loss.detach() * len(y_micro)
-        totals[1] += (logits.argmax(1) == y_micro).sum()
-        totals[2] += len(y_micro)   # a Python number: no copy to the device
-    optimizer.step()
 
-def end_of_epoch(net, totals, test_batches, device, world_size):
-    """Rank 0's BatchNorm statistics on all ranks, as DDP sends them before a forward (the last updated each rank's)."""
-    dist.all_reduce(totals)   # DDP: loss, hits and samples over all ranks
-    for buffer in net.buffers():
-        dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
-    net.eval()
-    tested = common.accuracy(net, test_batches, device, world_size)   # DDP: [correct, count] summed
-    net.train()
-    return tested
+# ---------------------------------------------------------------- the set-up
+def join_the_group(args):
+    """DDP: this process joins the others. Returns its rank, the world size, its device and the
+    backend."""
+    # torchrun sets RANK and WORLD_SIZE; main() sets them for a plain `python` run, a group of one.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # NCCL between GPUs, where torch has it; else gloo (CPUs, and GPUs without NCCL).
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    backend = args.backend or ("nccl" if nccl else "gloo")
+    device = common.pick_device(backend)   # DDP: one GPU per process
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DDP: join
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
+    return rank, world_size, device, backend
+
+
+def load_data(args, rank, world_size, device):
+    """The datasets, loaded by each node's first rank first, and this rank's loaders."""
+    # DDP: every node reads its own disk
+    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)
+    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank,
+                                    args.train_samples)
+    if rank_batch % args.accum_steps:
+        raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into "
+                         f"--accum-steps {args.accum_steps} micro-batches" if rank == 0 else 1)
+    # DDP: this rank's 1/W of each global batch
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank,
+                                                 world_size, device, args.workers)
+    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
+    return train_set, test_set, classes, train_batches, sampler, test_batches
+
+
+def make_model(args, shape, classes, device):
+    """The bare model on the device, made for `shape` images: the one whose weights are saved."""
+    raw_model = common.resnet(args.arch, classes, args.seed, channels=shape[0],
+                              image_size=shape[-1], zero_init_residual=args.zero_init_residual)
+    if args.sync_bn and device.type == "cuda":
+        # DDP: BatchNorm's statistics over all ranks' batches
+        raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
+    elif args.sync_bn and dist.get_rank() == 0:
+        print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU): per-rank "
+              "BatchNorm", flush=True)
+    return raw_model.to(device, memory_format=memory_format(args))
+
+
+def resume_flags(args, shape, train_set_size, device, world_size):
+    """What a resume must match: the training flags, the data, and the batch BatchNorm normalises
+    (with --sync-bn on CUDA all ranks' micro-batch, else this rank's)."""
+    batchnorm_batch = args.batch_size // world_size // args.accum_steps
+    if args.sync_bn and device.type == "cuda":
+        batchnorm_batch = args.batch_size // args.accum_steps
+    return {**common.flags_of(training, args), "image_shape": shape,
+            "train_set_size": train_set_size, "batchnorm_batch": batchnorm_batch}
+
+
+def memory_format(args):
+    if args.channels_last:
+        return torch.channels_last
+    return torch.contiguous_format
+
 
 # ---------------------------------------------------------------- training
+def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, checkpoint, args,
+                device):
+    """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
+    run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
+    the stop's signal (None without one)."""
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    # After a restart inside the epoch, rank 0 carries every rank's sums so far.
+    if here.batch_in_epoch and dist.get_rank() == 0:
+        sums = common.Sums.on(device, **here.sums)
+    timer = common.Timer(device, already=here.seconds)
+    signalled = None
+    for batch, (X, y) in enumerate(batches, here.batch_in_epoch + 1):
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
+        y = y.to(device, non_blocking=True)
+        train_step(model, optimizer, X, y, args, sums)
+        # The learning rate of the next step.
+        scheduler.step()
+        here.batch_in_epoch, here.step = batch, here.step + 1
+        if here.step < final_step:
+            signalled = stop.agreed()   # DDP: the same answer on every rank
+        if signalled or here.step == final_step:
+            break
+        if checkpoint.due(here):
+            checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
+    return sums, timer(), signalled
+
+
+def report_epoch(metrics, epoch, sums, seconds, tested, master):
+    """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen."""
+    trained = sums.total()   # DDP: summed over all ranks
+    record = common.epoch_record(epoch, trained, seconds, tested)
+    metrics["epochs"].append(record)
+    if master:
+        print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
+              f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
+              f"{record['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+
+
 def train(args):
-    # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: NCCL between GPUs, where torch has it
-    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs where torch has no NCCL)
-    device = common.pick_device(backend)   # DDP: one GPU per process
-    dist.init_process_group(backend, store=common.attempt_store(), rank=rank, world_size=world_size,   # DDP: all ranks
-                            device_id=device if backend == "nccl" else None)
-    stop = common.StopSignal()   # DDP: SIGTERM/SIGUSR1 stop every rank at the same step, from now on
+    """The set-up, then the epochs, each evaluated and checkpointed. Returns the bare model."""
+    rank, world_size, device, backend = join_the_group(args)   # DDP: join the others
+    stop = common.StopSignal()   # DDP: a stop every rank agrees on
     master = rank == 0   # DDP: rank 0 alone prints and writes
     if master:
         os.makedirs(args.out, exist_ok=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)   # now, not at the first save
-    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DDP: per node
-    shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
-    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank, args.train_samples)
-    if rank_batch % args.accum_steps:
-        raise SystemExit(f"error: the per-rank batch {rank_batch} does not divide into --accum-steps "
-                         f"{args.accum_steps} micro-batches" if master else 1)
-    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
-                                                 args.workers)   # DDP: this rank's 1/W of each global batch
-    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+    train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
+        args, rank, world_size, device)
+    shape = tuple(train_set[0][0].shape)
+    raw_model = make_model(args, shape, classes, device)
     steps_per_epoch = len(train_set) // args.batch_size
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-
-    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1],
-                        zero_init_residual=args.zero_init_residual)   # each block's last BatchNorm from 0
-    if args.sync_bn and device.type == "cuda":
-        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)   # DDP: batch statistics over all ranks
-    elif args.sync_bn and master:
-        print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU): per-rank BatchNorm", flush=True)
-    net = net.to(device, memory_format=memory_format)
-    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples (the linear scaling rule)
-    optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
-                                             steps_per_epoch * args.epochs, args.nesterov)
-    devices = common.every_rank(str(device), world_size)   # each rank's own
-    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    # a resume must match them; BatchNorm normalises each micro-batch (of all ranks' with --sync-bn on CUDA)
-    bn_batch = (args.batch_size if args.sync_bn and device.type == "cuda" else rank_batch) // args.accum_steps
-    flags = {**vars(args), "image shape": shape, "training samples": len(train_set), "BatchNorm's batch": bn_batch}
-    position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, master) if args.resume else None
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
-    if state:
-        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, final_step, master)
-        if position is None:   # nothing left to train
-            return net
-        metrics["epochs"] = state["history"]
-    def save(step, epoch, batch_in_epoch, totals, seconds):   # DDP: on every rank, at the same step; rank 0 writes
-        partial = totals.clone()
-        dist.all_reduce(partial)   # DDP: every rank's sums so far in this epoch
-        if master:
-            save_checkpoint(args.checkpoint, net, optimizer, scheduler, flags, metrics["epochs"], epoch=epoch,
-                            batch_in_epoch=batch_in_epoch, step=step, totals=partial.tolist(), seconds=seconds)
-            where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
-            print(f"  checkpoint: step {step} ({where})", flush=True)
-        dist.barrier()   # DDP: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
-    ddp_model, model, powersgd = wrap(net, args, device, backend, state is not None, master)   # DDP: the wrap
+    optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
+    devices = common.every_rank(str(device), world_size)
+    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
+    flags = resume_flags(args, shape, len(train_set), device, world_size)
+    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, flags, metrics, steps_per_epoch)
+    here = checkpoint.resume(final_step) if args.resume else common.Position()
+    if here is None:
+        return raw_model
+    model, powersgd = wrap(raw_model, args, device, backend)   # DDP: the wrap
+    if args.compile:
+        model = torch.compile(model)
     if master:
-        print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
-              f"batch {args.batch_size} = {world_size} x {rank_batch}, {args.accum_steps} micro-step(s), lr {lr:g} "
-              f"({args.lr:g} x {args.batch_size}/256), cosine after {args.warmup_epochs:g} warm-up epochs", flush=True)
-    step, start = position["step"], time.perf_counter()
-    for epoch in range(position["epoch"], args.epochs + 1):
-        done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        sampler.set_epoch(epoch, start=done)   # DDP: a new order each epoch, the same on every rank
-        timer = common.Timer(device, already=position["seconds"] if done else 0.0)
-        # summed loss, hits, samples; after a restart mid-epoch rank 0 carries all ranks' sums so far
-        totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
-        batch_in_epoch = done
-        for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
-            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            train_step(model, ddp_model, optimizer, X, y.to(device, non_blocking=True), args, totals)
-            scheduler.step()   # the learning rate of the next step
-            step += 1
-            signalled = stop.agreed() if step < final_step else None   # DDP: one answer on all ranks
-            epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
-            if signalled or (not epoch_end and (every or step == final_step)):
-                save(step, epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DDP: every rank stops after this same step, the checkpoint written
-                if master:
-                    print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
-                          f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
-                raise SystemExit(common.PREEMPTED)
-            if step == final_step:
-                break
-        seconds = timer()
-        tested = end_of_epoch(net, totals, test_batches, device, world_size)
-        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
-        if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
-        if step == final_step:
+        print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
+              f"({backend}), global batch {args.batch_size} = {world_size} x "
+              f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), lr "
+              f"{optimizer.param_groups[0]['initial_lr']:g}, cosine after {args.warmup_epochs:g} "
+              f"warm-up epochs", flush=True)
+    first_step, started = here.step, time.perf_counter()
+    for epoch in range(here.epoch, args.epochs + 1):
+        sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DDP: one order, new each epoch
+        sums, seconds, signalled = train_epoch(model, optimizer, scheduler, train_batches, here,
+                                               final_step, stop, checkpoint, args, device)
+        # A checkpoint inside the epoch: at a stop, or at the run's last step.
+        if signalled or here.batch_in_epoch < steps_per_epoch:
+            checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
+        if signalled:
             break
+        tested = evaluate(raw_model, test_batches, device)
+        report_epoch(metrics, epoch, sums, seconds, tested, master)
+        if here.batch_in_epoch == steps_per_epoch:
+            # The epoch's end, evaluated: a checkpoint of the next one's start.
+            here = common.Position(epoch + 1, 0, here.step)
+            checkpoint.save(here)
+        if here.step == final_step:
+            break
+    if signalled:
+        common.say_stopped(signalled, here.step, args.checkpoint, master)
+        raise SystemExit(common.PREEMPTED)   # DDP: every rank stops after this same step
     if master and metrics["epochs"]:
-        sent = bytes_sent_per_step(net, args, powersgd, step - position["step"], world_size)
-        common.finish(metrics, step, time.perf_counter() - start, net.state_dict(), sent)
-    return net
+        sent = bytes_sent_per_step(raw_model, args, powersgd, here.step - first_step, world_size)
+        seconds = time.perf_counter() - started
+        common.finish(metrics, here.step, seconds, raw_model.state_dict(), sent)
+    return raw_model
 
-# ---------------------------------------------------------------- command line
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
-    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
-    p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
-    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0, help="the lr's linear ramp-up")
-    p.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
-    p.add_argument("--label-smoothing", type=common.non_negative_float, default=0.0, help="of the loss, 0 to 1")
-    p.add_argument("--zero-init-residual", action="store_true", help="each residual block starts as the identity")
-    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
-    p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
-                   "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
-    p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
-    p.add_argument("--image-size", type=common.positive_int, default=224, help="image folders: resized, cropped to it")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader's (not for data in memory)")
-    p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
-    p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
-    p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
-    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--accum-steps", type=common.positive_int, default=1, help="gradient accumulation's micro-batches")
-    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
-    p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (CUDA only)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, else gloo (can share a GPU)")
-    p.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"), help="compress the gradients DDP sends")
-    p.add_argument("--powersgd-rank", type=common.positive_int, default=4, help="PowerSGD: the rank of the factors")
-    p.add_argument("--powersgd-start", type=int, default=10, help="PowerSGD: plain allreduce for this many steps "
-                   "first (at least 2; PyTorch suggests ~10%% of the training)")
-    p.add_argument("--out", default="runs/ddp_resnet", help="folder for metrics.json, curves.png and model.pt")
-    p.add_argument("--checkpoint", help="written by rank 0 after every epoch, every --checkpoint-every steps, where "
-                   "the run stops and on SIGTERM/SIGUSR1 (default: <out>/checkpoint.pt)")
-    p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs")
-    p.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 sees it), mid-epoch "
-                   "too, at any world size with the same flags; without one, start at step 0")
-    args = p.parse_args(argv)
-    if args.powersgd_start < 2:
-        p.error(f"argument --powersgd-start: must be 2 or more (DDP rebuckets after step 1), got {args.powersgd_start}")
-    if args.label_smoothing > 1:
-        p.error(f"argument --label-smoothing: must be at most 1, got {args.label_smoothing:g}")
-    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
-    return args
 
-@record   # DDP: an error's traceback goes to torchrun's error file, and its summary names the rank
+@record   # DDP: an error's traceback goes to torchrun's error file, its summary names the rank
 def main(argv=None):
     args = parse_args(argv)
-    common.default_to_one_process()   # plain `python ddp_resnet.py`: a group of one
+    # A plain `python ddp_resnet.py`: a group of one.
+    common.default_to_one_process()
     with common.leaving_the_group():   # DDP: after the run, a stop or an error
         return train(args)
+
 
 if __name__ == "__main__":
     main()

@@ -140,13 +140,15 @@ def learning_rates(optimizer, scheduler, steps):   # each group's lr at optimize
 
 
 def test_the_recipe_decays_only_weights_and_warms_up_then_follows_the_cosine_to_zero():
-    """common.sgd_recipe itself (a decay or a schedule gone wrong can stay within the ResNet comparisons' tolerance
-    over their few steps): weight decay on every weight but BatchNorm's and the biases; momentum 0.9; the learning rate
-    of step k, with a warm-up of W steps and T in all: (k + 1) / W of the rate for k < W, then half a cosine from the
-    whole rate at step W down to zero at step T, which the last step (T - 1) is one cosine step short of; with no
-    warm-up, the cosine from step 0."""
+    """ddp_resnet.make_optimizer itself (a decay or a schedule gone wrong can stay within the ResNet comparisons'
+    tolerance over their few steps): weight decay on every weight but BatchNorm's and the biases; momentum 0.9; the
+    learning rate of step k, with a warm-up of W steps and T in all: (k + 1) / W of the rate for k < W, then half a
+    cosine from the whole rate at step W down to zero at step T, which the last step (T - 1) is one cosine step
+    short of; with no warm-up, the cosine from step 0."""
     net = fashion_resnet(0)
-    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 3, 8)
+    flags = ["--lr", "0.4", "--batch-size", "256", "--epochs", "2"]
+    optimizer, scheduler = ddp_resnet.make_optimizer(net, ddp_resnet.parse_args(flags + ["--warmup-epochs", "0.75"]),
+                                                     steps_per_epoch=4)
     name = {p: n for n, p in net.named_parameters()}
     norms = {name[p] for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
     biases = {n for n in name.values() if n.endswith("bias")}
@@ -157,9 +159,9 @@ def test_the_recipe_decays_only_weights_and_warms_up_then_follows_the_cosine_to_
     assert decayed["weight_decay"] == 5e-4
     assert decayed["momentum"] == not_decayed["momentum"] == 0.9
     cosine = [0.2 * (1 + math.cos(math.pi * k / 5)) for k in range(5)]   # from step 3 to 7 of 8
-    expected = [0.4 / 3, 0.8 / 3, 0.4] + cosine + [0.0, 0.0]   # past the end: zero
-    assert learning_rates(optimizer, scheduler, 10) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
-    optimizer, scheduler = common.sgd_recipe(net, 0.4, 5e-4, 0, 4)
+    expected = [0.4 / 3, 0.8 / 3, 0.4] + cosine + [0.0]   # the rate after the last step: zero
+    assert learning_rates(optimizer, scheduler, 9) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
+    optimizer, scheduler = ddp_resnet.make_optimizer(net, ddp_resnet.parse_args(flags), steps_per_epoch=2)
     expected = [0.2 * (1 + math.cos(math.pi * k / 4)) for k in range(4)] + [0.0]
     assert learning_rates(optimizer, scheduler, 5) == [[pytest.approx(lr, abs=1e-15)] * 2 for lr in expected]
 
@@ -211,7 +213,7 @@ GPU_PAGES = [   # (page, GPUs, flags): each page with its GPU flags
 def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, monkeypatch, tmp_path):
     """The page's own main(), as on a machine with `gpus` GPUs (tests/as_on_a_gpu.py): its loader, loop, steps, sums,
     collectives and evaluation forwards all run on the "GPU", so the first thing that fails is the read-back of the
-    evaluation's count, which meta cannot give. A batch left on the CPU, a count made there, a CPU tensor handed to
+    evaluation's sums, which meta cannot give. A batch left on the CPU, a count made there, a CPU tensor handed to
     NCCL fail earlier, naming the op. It cannot see a cuda:0/cuda:1 mix-up (one meta device stands for all), the
     page's branches on `device.type == "cuda"` (they take their CPU side), CUDA's autocast rules, anything between
     processes (one process: no ring's send/recv, no `world_size > 1` path), or what comes after the first evaluation
@@ -230,7 +232,8 @@ def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, 
     ours = [frame for frame in frames if os.path.dirname(frame.filename) == HERE]   # the pages' and common.py's
     assert re.search(READ_BACK, str(failed.value)), stack
     assert (os.path.basename(ours[-1].filename), ours[-1].name, ours[-1].line) == (
-        "common.py", "accuracy", "return totals.tolist()"), stack
+        "common.py", "total", "return dict(zip(self, values.tolist()))"), stack
+    assert (os.path.basename(ours[-2].filename), ours[-2].name) == (f"{page.__name__}.py", "evaluate"), stack
     if page in (ddp_resnet, fsdp_resnet, diloco_resnet):   # the epoch's sums and BatchNorm's buffers, handed to NCCL
         assert {"all_reduce", "broadcast"} <= set(collectives.calls), collectives.calls
 
@@ -527,16 +530,16 @@ def test_the_large_batch_recipe_flags_reach_the_optimizer_the_model_and_the_loss
         made["net"] = net = real_resnet(*args, **kwargs)
         made["bn"] = [w.detach().clone() for w in residual_bn_weights(net)]   # as made, before any step
         return net
-    def sgd_recipe(*args, **kwargs):
-        made["optimizer"], scheduler = real_sgd_recipe(*args, **kwargs)
+    def make_optimizer(*args, **kwargs):
+        made["optimizer"], scheduler = real_make_optimizer(*args, **kwargs)
         return made["optimizer"], scheduler
     def cross_entropy(logits, y, **kwargs):
         loss = real_cross_entropy(logits, y, **kwargs)
         losses.append((logits.detach(), y, loss.detach()))
         return loss
-    real_resnet, real_sgd_recipe, real_cross_entropy = common.resnet, common.sgd_recipe, F.cross_entropy
+    real_resnet, real_make_optimizer, real_cross_entropy = common.resnet, ddp_resnet.make_optimizer, F.cross_entropy
     monkeypatch.setattr(common, "resnet", resnet)
-    monkeypatch.setattr(common, "sgd_recipe", sgd_recipe)
+    monkeypatch.setattr(ddp_resnet, "make_optimizer", make_optimizer)
     monkeypatch.setattr(F, "cross_entropy", cross_entropy)
     ddp_resnet.main(RESNET + ["--max-steps", "1", "--nesterov", "--label-smoothing", "0.1", "--zero-init-residual",
                               "--out", str(tmp_path)])
@@ -556,7 +559,7 @@ def test_the_large_batch_recipe_is_off_by_default_and_zero_init_changes_only_the
     plain, zeroed = fashion_resnet(0), common.resnet("resnet18", 10, 0, channels=1, image_size=28,
                                                      zero_init_residual=True)
     assert all((w == 1).all() for w in residual_bn_weights(plain))
-    optimizer, _ = common.sgd_recipe(plain, 0.1, 5e-4, 0, 1)
+    optimizer, _ = ddp_resnet.make_optimizer(plain, args, steps_per_epoch=1)
     assert [group["nesterov"] for group in optimizer.param_groups] == [False, False]
     residual = {id(w) for w in residual_bn_weights(zeroed)}
     same = [name for (name, a), b in zip(zeroed.named_parameters(), plain.parameters())

@@ -17,8 +17,8 @@ What a run under `as_on_a_gpu` sees:
   group, whose tensors are on the CPU by design, runs for real. The group itself is gloo's, one process;
 - autocast for meta is the CPU's.
 Nothing can be read back from meta: a page whose every training step of its first epoch and every evaluation forward
-ran "on the GPU" fails first where it reads the evaluation's count, common.accuracy's `totals.tolist()`. That is the
-pass.
+ran "on the GPU" fails first where it reads the evaluation's sums: the page's evaluate() calling common.Sums.total(),
+whose `values.tolist()` is the first read-back. That is the pass.
 
 What it cannot see: one meta device stands for all GPUs (a cuda:0/cuda:1 mix-up passes); the page's branches on
 `device.type == "cuda"` (pinned memory, DDP's device_ids, SyncBatchNorm, the timer's synchronize) take their CPU side;

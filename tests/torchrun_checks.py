@@ -163,7 +163,8 @@ def slow_checkpoint(script, *argv):
     module = __import__(script)
     checkpoint = module.parse_args(list(argv)).checkpoint
     def report():
-        step = torch.load(checkpoint, weights_only=False)["step"] if os.path.exists(checkpoint) else None
+        saved = torch.load(checkpoint, weights_only=False) if os.path.exists(checkpoint) else None
+        step = saved["position"]["step"] if saved else None
         print(f"rank {os.environ['RANK']} leaves: checkpoint of step {step} on disk", flush=True)
     atexit.register(report)
     module.main(list(argv))
