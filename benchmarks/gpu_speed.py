@@ -16,8 +16,8 @@ CUDA's default is foreach), compile (torch.compile, --compile), cudagraphs (mode
 takes the loop's work around it), gpudata (the training images held in the GPU's memory, each batch indexed there),
 cudnn (torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new shape, in the warm-up steps).
 
-Each row: ResNet-18 for 1x28x28 images (common.resnet), common.sgd_recipe at lr 0.05 x batch/256, wrapped in DDP
-over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
+Each row: ResNet-18 for 1x28x28 images (common.resnet), ddp_resnet.make_optimizer at lr 0.05 x batch/256, wrapped
+in DDP over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
 step is ddp_resnet.train_step with the loop's work around it: the next batch from common.train_loader over 60,000
 images in the CPU's memory (random ones: the speed does not depend on the pixels), pinned and copied to the GPU
 without waiting, scheduler.step() and the stop vote (a gloo all_reduce of a CPU tensor, read back). --warmup steps
@@ -193,14 +193,15 @@ def make_step(row, device, vote_group, data):
     memory_format = torch.channels_last if row.channels_last else torch.contiguous_format
     net = resnet18().to(device, memory_format=memory_format)
     steps_per_epoch = TRAIN_IMAGES // row.batch
-    optimizer, scheduler = common.sgd_recipe(net, 0.05 * row.batch / 256, 5e-4, 0, steps_per_epoch * EPOCHS)
+    # no --compile: the row compiles with its mode
+    flags = ddp_resnet.parse_args(["--batch-size", str(row.batch), "--epochs", str(EPOCHS)] +
+                                  (["--amp"] if row.amp else []))
+    optimizer, scheduler = ddp_resnet.make_optimizer(net, flags, steps_per_epoch)
     for group in optimizer.param_groups:
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
-    # no --compile: the row compiles with its mode
-    flags = ddp_resnet.parse_args(["--batch-size", str(row.batch)] + (["--amp"] if row.amp else []))
-    ddp_model, _, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo", False, False)
+    ddp_model, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo")
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
-    totals = torch.zeros(3, device=device, dtype=torch.float64)
+    totals = common.Sums.on(device, loss=0, correct=0, samples=0)
     drawn = batches(*data, row.batch, device, row.gpudata)
     X_fixed, y_fixed = next(drawn)
     X_fixed = X_fixed.contiguous(memory_format=memory_format)
@@ -208,13 +209,13 @@ def make_step(row, device, vote_group, data):
     def step():
         with record_function("step"):
             if row.bare:
-                train_step(model, ddp_model, optimizer, X_fixed, y_fixed, flags, totals)
+                train_step(model, optimizer, X_fixed, y_fixed, flags, totals)
                 return
             with record_function("next batch"):
                 X, y = next(drawn)
                 X = X.contiguous(memory_format=memory_format)
             with record_function("train_step"):
-                train_step(model, ddp_model, optimizer, X, y, flags, totals)
+                train_step(model, optimizer, X, y, flags, totals)
             with record_function("scheduler.step"):
                 scheduler.step()
             with record_function("stop vote"):

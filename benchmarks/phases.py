@@ -17,7 +17,7 @@ import argparse, collections, contextlib, functools, json, os, platform, statist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["--train-samples", "256", "--test-samples", "250", "--batch-size", "64", "--epochs", "2"]
 NOTES = []   # (what happened since the previous note, when it ended)
-DONE = "curves.png (drawn, saved), the done: line"
+DONE = "the done: line"
 WRITES = collections.defaultdict(float)   # (file, "torch.save" or "fsync"): seconds
 WRITING = [None]   # the file common.save_atomically is writing
 
@@ -105,7 +105,8 @@ def rank_side(flags, first_steps, notes_path):
     def written(write, path):   # the outputs by name; any other file is the checkpoint
         name = os.path.basename(path)
         outputs = {"metrics.json": None, "curves.png": None,   # the note after each says it
-                   "model.pt": "the last barrier, metrics.json, model.pt (the weights to the CPU)"}
+                   "model.pt": "the last barrier, metrics.json, curves.png (drawn, saved), model.pt (the "
+                               "weights to the CPU)"}
         if name in outputs and finishing[0]:
             return outputs[name]
         if evaluated[0]:
@@ -118,12 +119,12 @@ def rank_side(flags, first_steps, notes_path):
     wrap(ddp_resnet, "wrap", before="the loaders, the model on the device, the optimizer, the metrics",
          after="the DDP wrap (rank 0's weights broadcast)")
     wrap(ddp_resnet, "train_step", after=lambda *a, **k: step_notes())
-    wrap(ddp_resnet, "end_of_epoch", before=epoch_start,
-         after=lambda *a, **k: f"epoch {epochs[0]}: the evaluation (sums, BatchNorm's buffers, the test set)")
+    wrap(ddp_resnet, "evaluate", before=epoch_start,
+         after=lambda *a, **k: f"epoch {epochs[0]}: the evaluation (BatchNorm's buffers, the test set)")
     wrap(common, "save_atomically", before=writing, after=written)
     wrap(common, "finish", before=lambda *a, **k: finishing.__setitem__(0, True), after=DONE)
     timed_into(torch, "save", "torch.save")
-    timed_into(common, "sync", "fsync")
+    timed_into(common, "fsync", "fsync")
     ddp_resnet.main(flags)
     note("after it: leaving the group (gc.collect, destroy_process_group)")
     if int(os.environ.get("RANK", 0)) == 0:   # whole or not at all: the command reads it while this rank exits

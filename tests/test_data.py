@@ -1,6 +1,6 @@
 """Your own data: an image folder read from disk by DataLoader workers is the same training as the
 data held in memory, at any number of workers and ranks, resumed mid-epoch; bad folders are named."""
-import atexit, json, os, shutil, signal, struct, subprocess, sys
+import json, os, shutil, signal, struct, subprocess, sys
 import pytest
 import torch
 from PIL import Image
@@ -165,8 +165,11 @@ def test_evaluation_counts_every_image_once_and_uneven_data_never_hangs(images, 
     net = fashion_resnet(0)
     net.load_state_dict(load_model(tmp_path))
     _, val, _ = folder_datasets(images)
-    cpu = torch.device("cpu")
-    correct, count = common.accuracy(net.eval(), common.test_loader(val, 0, 1, cpu), cpu, 1)
+    correct = count = 0
+    with torch.no_grad():
+        for X, y in torch.utils.data.DataLoader(val, batch_size=VAL):
+            correct += (net.eval()(X).argmax(1) == y).sum().item()
+            count += len(y)
     assert metrics["test_acc"] == correct / count and images_counted(tmp_path) == [count] * 2 == [VAL] * 2
 
 
@@ -184,14 +187,27 @@ def test_a_gray_image_among_colour_ones_is_read_in_colour(images, tmp_path):
     assert [train[i][0].shape for i in range(3)] == [(3, 28, 28)] * 3
 
 
-def test_loaders_register_one_exit_handler(images):
-    """Workers are killed at exit by one handler, not one more per loader made."""
-    train, _, _ = folder_datasets(images)
-    before = atexit._ncallbacks()
-    for _ in range(3):
-        common.train_loader(train, 16, 0, 0, 1, torch.device("cpu"), workers=1)
-        common.test_loader(train, 0, 1, torch.device("cpu"), workers=1)
-    assert atexit._ncallbacks() == before
+def test_importing_common_does_nothing_and_a_runs_workers_end_with_it(images, tmp_path):
+    """common.py defines names and does nothing at import: no exit handler, no matplotlib. A run's DataLoader
+    workers ignore SIGTERM (SLURM signals every process of a job; the rank decides when to stop): they end with
+    the run that made them, as it returns and as it fails (a truncated image read by a worker), and nothing is
+    left for the interpreter's exit, which would wait for ever on a worker that ignores SIGTERM."""
+    imported = ("import atexit, sys, torch, torch.distributed.nn, torch.distributed.rendezvous, torch.utils.data; "
+                "before = atexit._ncallbacks(); import common; "
+                "print(atexit._ncallbacks() - before, 'matplotlib' in sys.modules)")
+    result = run(["python", "-c", imported])
+    assert result.stdout.split() == ["0", "False"], result.stderr[-2000:]
+    broken = tmp_path / "broken"
+    shutil.copytree(images, broken)
+    break_folder("truncated image", broken)
+    ends = ("import multiprocessing, sys, ddp_resnet\n"
+            "try:\n    ddp_resnet.main(sys.argv[1:])\nexcept RuntimeError as e:\n    print('failed:', e)\n"
+            "print('workers left:', len(multiprocessing.active_children()))")
+    for folder, said in ((images, "done:"), (broken, "failed: ")):
+        result = run(["python", "-c", ends, "--data-dir", str(folder), "--image-size", "28", "--workers", "2",
+                      "--batch-size", "16", "--max-steps", "3", "--out", str(tmp_path / "out")], timeout=120)
+        assert result.returncode == 0 and said in result.stdout, result.stderr[-2000:]
+        assert "workers left: 0" in result.stdout, result.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- bad folders
