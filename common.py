@@ -4,7 +4,7 @@ loaders, a stop every rank agrees on, where a run is, atomic writes and the outp
 Importing it defines names and does nothing else.
 """
 import argparse, contextlib, dataclasses, functools, gc, glob, hashlib, importlib.util, json
-import math, multiprocessing, os, pathlib, signal, sys, time, traceback
+import math, multiprocessing, os, pathlib, signal, socket, sys, time, traceback
 import torch
 import torch.distributed as dist
 # Imported before any group exists. Imported after one (as DDP, torch.compile and torchvision
@@ -49,6 +49,27 @@ def pick_device(backend, gpus_each=1, cuda=None):
     device = torch.device("cuda", local_rank * gpus_each % gpus)
     torch.cuda.set_device(device)
     return device
+
+
+def one_rank_per_gpu(device):
+    """Refuses two ranks of an NCCL group on one GPU, in one line that names the host and the GPU,
+    before NCCL's own "Duplicate GPU detected", whatever CUDA_VISIBLE_DEVICES showed each process.
+    Asked over a gloo group of its own: the first NCCL call would fail first."""
+    group = dist.new_group(backend="gloo")
+    gpus = [None] * dist.get_world_size()
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    dist.all_gather_object(gpus, mine, group=group)
+    dist.destroy_process_group(group)
+    first = {}
+    for rank, gpu in enumerate(gpus):
+        first.setdefault(gpu, rank)
+    shared = [rank for rank, gpu in enumerate(gpus) if first[gpu] != rank]
+    if shared:
+        host, gpu = gpus[shared[0]]
+        said = dist.get_rank() == first[gpus[shared[0]]]
+        sys.exit(f"rank {dist.get_rank()}: error: ranks {first[gpus[shared[0]]]} and {shared[0]} are "
+                 f"both on GPU {gpu} of {host}: start at most one process per GPU, or let them "
+                 f"share it: --backend gloo" if said else 1)
 
 
 def attempt_store():
@@ -219,7 +240,7 @@ class Seeded(Dataset):
         # Any --seed, hashed to the 64 bits manual_seed takes.
         key = hashlib.blake2b(f"{self.seed} {int(self.epoch)} {index}".encode(), digest_size=8)
         # The caller's generator is left as it was.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[], device_type="cpu"):
             torch.default_generator.manual_seed(int.from_bytes(key.digest(), "big"))
             return self.dataset[index]
 
@@ -291,7 +312,9 @@ def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
     mine = torch.arange(len(dataset)).tensor_split(world_size)[rank]
     chunks = mine.tensor_split(max(1, math.ceil(len(dataset) / world_size / batch_size)))
     chunks = [chunk.tolist() for chunk in chunks]
-    return loader(dataset, chunks, device, min(workers, len(chunks)))
+    workers = min(workers, len(chunks))
+    # Its workers stay from one evaluation to the next.
+    return loader(dataset, chunks, device, workers, persistent_workers=workers > 0)
 
 
 class Sums(dict):
@@ -338,15 +361,19 @@ PREEMPTED = 75
 
 
 class StopSignal:
-    """SIGTERM and SIGUSR1 only note the signal. agreed() takes the largest noted by any rank, on a
-    gloo group of its own (CPU tensors whatever the backend), so every rank stops after the same
-    step. A rank stuck with a dead peer never gets there: it is the scheduler's to kill."""
+    """SIGTERM and SIGUSR1 only note the signal. The ranks vote on a gloo group of their own (CPU
+    tensors, whatever the backend) for the largest signal any of them noted, and for a progress
+    line rank 0 asks for. vote() starts a step's vote without waiting and reads the last step's,
+    which has long arrived: every rank stops, or prints, after the same step, and no step waits
+    for the others. agreed() votes and waits, where the run waits anyway. A rank stuck with a dead
+    peer never votes: it is the scheduler's to kill."""
     # The signal this process received; 0: none. Kept on the class: a handler holds no group.
     noted = 0
 
     def __init__(self):
         StopSignal.noted = 0
         self.group = dist.new_group(backend="gloo")
+        self.ballot = self.counting = None
         for signum in STOP_SIGNALS:
             signal.signal(signum, StopSignal.note)
 
@@ -354,13 +381,33 @@ class StopSignal:
     def note(signum, frame):
         StopSignal.noted = signum
 
+    def vote(self, line=False):
+        """The last step's vote, the same on every rank: (the name of a signal, or None; whether
+        to print a line). This step's vote starts, without waiting; `line`: this rank asks for
+        one."""
+        last = self.count()
+        self.ballot = torch.tensor([StopSignal.noted, int(line)])
+        self.counting = dist.all_reduce(self.ballot, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True)
+        return last
+
+    def count(self):
+        """The vote under way, counted (it waits only if the vote has not arrived yet); without
+        one, (None, False)."""
+        if self.counting is None:
+            return None, False
+        self.counting.wait()
+        self.counting = None
+        signum, line = self.ballot.tolist()
+        if signum == 0:
+            return None, bool(line)
+        return signal.Signals(signum).name, bool(line)
+
     def agreed(self):
-        """The name of a signal any rank received, or None: the same on every rank."""
-        flag = torch.tensor([StopSignal.noted])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item() == 0:
-            return None
-        return signal.Signals(flag.item()).name
+        """The name of a signal any rank noted, or None: voted now, and waited for."""
+        self.vote()
+        signalled, _ = self.count()
+        return signalled
 
 
 def say_stopped(signalled, step, checkpoint, master):

@@ -81,6 +81,8 @@ parser.add_argument("--accum-steps", type=common.positive_int, default=1,
 parser.add_argument("--channels-last", action="store_true",
                     help="NHWC memory layout (faster convolutions on GPUs)")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+parser.add_argument("--deterministic", action="store_true", help="CUDA: cuDNN's deterministic "
+                    "algorithms, not its autotuner's fastest (the same bits again, slower)")
 parser.add_argument("--backend", choices=("nccl", "gloo"),
                     help="default: nccl on CUDA, else gloo (can share a GPU)")
 parser.add_argument("--out", default="runs/ddp_resnet",
@@ -169,20 +171,23 @@ def train_step(model, optimizer, X, y, args, sums):
 
 
 @torch.no_grad()
-def evaluate(raw_model, batches, device):
-    """The test accuracy over all ranks, each test image counted once, and that count. Every rank
+def evaluate(eval_model, batches, args, device):
+    """The test accuracy over all ranks, each test image counted once, and that count: the bare
+    model (compiled with --compile), in the training's precision and memory layout. Every rank
     evaluates rank 0's BatchNorm statistics, as DDP sends them before a forward (the last one
     updated each rank's own)."""
-    for buffer in raw_model.buffers():
+    for buffer in eval_model.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
-    raw_model.eval()
+    eval_model.eval()
     sums = common.Sums.on(device, correct=0, samples=0)
     for X, y in batches:
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
-        logits = raw_model(X.to(device, non_blocking=True))
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            logits = eval_model(X)
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
-    raw_model.train()
+    eval_model.train()
     tested = sums.total()   # DDP: summed over all ranks
     return {"test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
 
@@ -260,8 +265,10 @@ def wrap(raw_model, args, device, backend):
     device_ids = [device] if device.type == "cuda" else None
     model = DDP(raw_model, device_ids=device_ids, gradient_as_bucket_view=True,   # DDP: the wrap
                 bucket_cap_mb=1e6 if one_bucket else None)
-    # DDP warns of stride "mismatches" of size-1 dimensions on GPUs (pytorch#47163).
-    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
+    # DDP warns of stride "mismatches" in dimensions of size 1, whose strides mean nothing
+    # (pytorch#47163): those warnings alone are silenced.
+    warnings.filterwarnings("ignore", message=r"(?s)Grad strides do not match bucket view "
+                            r"strides.*grad\.sizes\(\) = \[([^]]*, )?1[],]")
     powersgd = None
     if args.comm_hook in ("bf16", "fp16"):
         hook = getattr(default_hooks, f"{args.comm_hook}_compress_hook")
@@ -300,7 +307,13 @@ def join_the_group(args):
     backend = args.backend or ("nccl" if nccl else "gloo")
     device = common.pick_device(backend)   # DDP: one GPU per process
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DDP: join
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
+                            world_size=world_size)
+    if backend == "nccl":
+        common.one_rank_per_gpu(device)   # DDP: before NCCL's first call
+    # Every batch has one shape: on GPUs, cuDNN's autotuner picks each convolution's fastest
+    # algorithm once, unless the run must repeat its bits.
+    torch.backends.cudnn.benchmark = not args.deterministic
+    torch.backends.cudnn.deterministic = args.deterministic
     return rank, world_size, device, backend
 
 
@@ -354,7 +367,8 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
                 device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
-    the stop's signal (None without one)."""
+    the stop's signal (None without one). A step waits for no other rank: it reads the stop vote
+    the step before started."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:
@@ -368,13 +382,23 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         # The learning rate of the next step.
         scheduler.step()
         here.batch_in_epoch, here.step = batch, here.step + 1
-        if here.step < final_step:
-            signalled = stop.agreed()   # DDP: the same answer on every rank
-        if signalled or here.step == final_step:
+        if here.step == final_step:
+            break
+        # The last step's vote, which has arrived: no step waits for the others.
+        signalled, _ = stop.vote()   # DDP: one answer on every rank
+        if signalled:
             break
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
-    return sums, timer(), signalled
+    seconds = timer()
+    if signalled or here.step == final_step:
+        # The vote under way is left unread: the run stops, or ends, at this step.
+        stop.count()
+    else:
+        # The epoch's end, where every rank waits for the evaluation anyway: a stop noted in its
+        # last steps lands here, before the evaluation.
+        signalled = stop.agreed()   # DDP: wait for every rank's vote
+    return sums, seconds, signalled
 
 
 def report_epoch(metrics, epoch, sums, seconds, tested, master):
@@ -411,8 +435,9 @@ def train(args):
     if here is None:
         return raw_model
     model, powersgd = wrap(raw_model, args, device, backend)   # DDP: the wrap
+    eval_model = raw_model
     if args.compile:
-        model = torch.compile(model)
+        model, eval_model = torch.compile(model), torch.compile(raw_model)
     if master:
         print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
               f"({backend}), global batch {args.batch_size} = {world_size} x "
@@ -429,7 +454,7 @@ def train(args):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
         if signalled:
             break
-        tested = evaluate(raw_model, test_batches, device)
+        tested = evaluate(eval_model, test_batches, args, device)
         report_epoch(metrics, epoch, sums, seconds, tested, master)
         if here.batch_in_epoch == steps_per_epoch:
             # The epoch's end, evaluated: a checkpoint of the next one's start.

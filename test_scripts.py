@@ -2,9 +2,10 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import argparse, ast, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback
+import argparse, ast, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback, warnings
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
@@ -236,6 +237,109 @@ def test_each_page_runs_on_the_gpu_up_to_its_first_read_back(page, gpus, flags, 
     assert (os.path.basename(ours[-2].filename), ours[-2].name) == (f"{page.__name__}.py", "evaluate"), stack
     if page in (ddp_resnet, fsdp_resnet, diloco_resnet):   # the epoch's sums and BatchNorm's buffers, handed to NCCL
         assert {"all_reduce", "broadcast"} <= set(collectives.calls), collectives.calls
+
+
+# What a page calls on torch.distributed that waits for the other ranks (unless handed async_op=True).
+BLOCKING = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
+            "send", "recv")
+
+
+@pytest.mark.parametrize("page, flags", [(ddp_resnet, []), (fsdp_resnet, []), (diloco_resnet, ["--local-steps", "4"])],
+                         ids=["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
+def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, flags, monkeypatch, tmp_path):
+    """The page's own main() as on a GPU (tests/as_on_a_gpu.py), 4 steps in its epoch: between steps 1 and 2, 2
+    and 3, 3 and 4, the page and common.py call no collective that waits for the other ranks (the stop vote
+    starts without waiting, and is read a step later), and no step reads anything back from the GPU (meta
+    cannot: the first read-back, the evaluation's, is where the run fails). The epoch's last step may wait:
+    the evaluation follows. Torch's own collectives inside DDP and FSDP are the approach's, not counted."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    events = []
+    real_step = page.train_step
+    def train_step(*args, **kwargs):
+        real_step(*args, **kwargs)
+        events.append("step")
+    monkeypatch.setattr(page, "train_step", train_step)
+    with as_on_a_gpu(monkeypatch, 1):
+        for name in BLOCKING:   # after the harness's own patches: these see every call the page makes
+            def counted(*args, real=getattr(dist, name), name=name, **kwargs):
+                if not kwargs.get("async_op") and os.path.dirname(sys._getframe(1).f_code.co_filename) == HERE:
+                    events.append(name)
+                return real(*args, **kwargs)
+            monkeypatch.setattr(dist, name, counted)
+        with pytest.raises((RuntimeError, NotImplementedError)) as failed:
+            page.main(["--train-samples", "64", "--test-samples", "20", "--batch-size", "16", "--epochs", "1",
+                       "--data-dir", DATA, "--out", str(tmp_path)] + flags)
+    frames = [f for f in traceback.extract_tb(failed.value.__traceback__) if os.path.dirname(f.filename) == HERE]
+    assert re.search(READ_BACK, str(failed.value)) and frames[-2].name == "evaluate", failed.value
+    steps = [i for i, event in enumerate(events) if event == "step"]
+    assert len(steps) == 4, events
+    between = [events[a + 1:b] for a, b in zip(steps, steps[1:])]
+    assert between == [[], [], []], events
+
+
+def test_the_gpu_defaults_autotune_and_evaluate_as_the_training_runs(monkeypatch, tmp_path):
+    """As on a GPU (tests/as_on_a_gpu.py): cuDNN's autotuner is on (every batch has one shape), and off with
+    --deterministic; the evaluation's forwards run in the training's bf16 autocast and channels_last
+    layout; under --compile the evaluation runs the bare model compiled (torch.compile recorded here, not run);
+    DDP's warning of stride "mismatches" is silenced for dimensions of size 1 alone (pytorch#47163)."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    seen, compiled = [], []
+    real_resnet = common.resnet
+    def resnet(*args, **kwargs):
+        net = real_resnet(*args, **kwargs)
+        net.register_forward_pre_hook(lambda m, inputs: seen.append(
+            (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1)))   # channels_last
+        return net
+    monkeypatch.setattr(common, "resnet", resnet)
+    monkeypatch.setattr(torch, "compile", lambda module, **options: compiled.append(module) or module)
+    size_1 = ("Grad strides do not match bucket view strides. This may indicate grad was not created according to "
+              "the gradient layout contract.\ngrad.sizes() = [64, 1, 3, 3], strides() = [9, 1, 3, 1]\n"
+              "bucket_view.sizes() = [64, 1, 3, 3], strides() = [9, 9, 3, 1]")
+    from PIL import Image
+    for split in ("train", "val"):   # colour images: channels_last is another layout only with several channels
+        for label in ("a", "b"):
+            (tmp_path / "rgb" / split / label).mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (28, 28), (i, 20 * i, 30)).save(tmp_path / "rgb" / split / label / f"{i}.png")
+    folder = ["--data-dir", str(tmp_path / "rgb"), "--image-size", "28", "--workers", "0", "--batch-size", "8",
+              "--epochs", "1"]
+    with warnings.catch_warnings(record=True) as caught:
+        for flags, autotuned in ((["--amp", "--channels-last", "--compile"], True), (["--deterministic"], False)):
+            seen.clear()
+            with as_on_a_gpu(monkeypatch, 1):
+                with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
+                    ddp_resnet.main(folder + flags + ["--out", str(tmp_path / "out")])
+            assert torch.backends.cudnn.benchmark == autotuned and torch.backends.cudnn.deterministic != autotuned
+            evaluated = [forward for forward in seen if not forward[0]]
+            assert evaluated and set(evaluated) == {(False, autotuned, autotuned)}, seen
+        warnings.warn(size_1)
+        warnings.warn(size_1.replace("[64, 1, 3, 3]", "[64, 2, 3, 3]"))
+    assert [str(w.message)[-40:] for w in caught if "Grad strides" in str(w.message)] == [size_1[-40:].replace("1, 3, 3]", "2, 3, 3]")]
+    assert [type(m).__name__ for m in compiled] == ["DistributedDataParallel", "ResNet"]
+
+
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_in_one_line(tmp_path):
+    """Two processes a launcher showed the same GPU (CUDA_VISIBLE_DEVICES=0 for both, taken at its word): the
+    first NCCL call would fail with NCCL's "Duplicate GPU detected"; the ranks compare (host, GPU UUID) over
+    gloo first, and one line names the host and the GPU."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "shared-gpu",
+                  "ddp_resnet"] + RESNET + ["--out", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode != 0
+    line = f"rank 0: error: ranks 0 and 1 are both on GPU GPU-8b3c of {socket.gethostname()}: start at most one " \
+           f"process per GPU, or let them share it: --backend gloo"
+    assert result.stderr.count(line) == 1 and "Duplicate GPU" not in result.stderr, result.stderr[-3000:]
+    assert "ddp_resnet:" not in result.stdout
+
+
+def test_the_test_loaders_workers_stay_from_one_evaluation_to_the_next():
+    images = torch.utils.data.Subset(torch.utils.data.TensorDataset(torch.zeros(10, 1, 2, 2)), range(10))
+    assert common.test_loader(images, 0, 1, torch.device("cpu"), workers=2).persistent_workers
+    assert not common.test_loader(images, 0, 1, torch.device("cpu")).persistent_workers
 
 
 def test_dataparallel_amp_is_bfloat16_in_every_replica_thread():

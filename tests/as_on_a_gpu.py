@@ -2,7 +2,7 @@
 tensors on two devices is refused, as CUDA refuses it.
 
 What a run under `as_on_a_gpu` sees:
-- torch.cuda says there are `gpus` GPUs; `torch.device("cuda", i)` is `meta:i`, so a page that counts its GPUs, or
+- torch.cuda says there are `gpus` GPUs, each with its UUID; `torch.device("cuda", i)` is `meta:i`, so a page that counts its GPUs, or
   common.pick_device, hands out meta devices, and every tensor the page puts "on the GPU" is a meta tensor;
 - an aten op whose tensors sit on two devices fails with "Expected all tensors to be on the same device" (a 0-dim CPU
   tensor beside others is allowed, as CUDA allows it; so are copies between devices, and indexing a tensor with CPU
@@ -26,7 +26,7 @@ CUDA's own autocast rules and dtypes; one process only, so neither scratch_ring.
 `world_size > 1` runs; DDP's communication hooks (its fake runs none); what comes after the first evaluation's count
 (checkpoints, --resume, later epochs, the outputs); a thread the page would start itself; ft_ddp_resnet.py, which
 trains on CPUs by design."""
-import concurrent.futures, contextlib, functools, os, signal, sys, threading
+import concurrent.futures, contextlib, functools, os, signal, sys, threading, types
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -195,6 +195,8 @@ def as_on_a_gpu(monkeypatch, gpus=1):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     for name in ("set_device", "synchronize"):
         monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        name="meta", uuid=f"GPU-meta-{getattr(device, 'index', device) or 0}", total_memory=2**37))
     monkeypatch.setattr(torch, "autocast", lambda device_type, *args, **kwargs: REAL_AUTOCAST(
         "cpu" if device_type == "meta" else device_type, *args, **kwargs))
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)

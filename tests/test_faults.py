@@ -397,6 +397,25 @@ def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
     assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)   # torchrun's own report aside, no traceback
 
 
+def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_line_naming_the_difference(tmp_path):
+    """A checkpoint written before its position had a key of its own (epoch, batch_in_epoch, step, the sums as
+    "totals" and seconds at its top): refused in one line that names what it lacks and what it holds instead,
+    and nothing is trained."""
+    flags = ["--out", str(tmp_path)] + RESNET
+    assert_ok(run(["python", "ddp_resnet.py"] + flags))
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    position = state.pop("position")
+    state.update(epoch=position["epoch"], batch_in_epoch=position["batch_in_epoch"], step=position["step"],
+                 totals=list(position["sums"].values()), seconds=position["seconds"])
+    torch.save(state, tmp_path / "checkpoint.pt")
+    result = run(["python", "ddp_resnet.py", "--resume"] + flags)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+    assert (f"error: cannot resume from {tmp_path}/checkpoint.pt: it lacks position and holds batch_in_epoch, "
+            f"epoch, seconds, step, totals: it was written by another script, or by an older version of this one"
+            ) == result.stderr.strip()
+    assert "ddp_resnet:" not in result.stdout
+
+
 def test_checkpoint_every_must_be_positive(capsys):
     for value in ("0", "-3"):
         with pytest.raises(SystemExit) as exit_info:

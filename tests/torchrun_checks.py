@@ -1,8 +1,8 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
 CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., hook-sent SCRIPT ARGS...,
-slow-checkpoint SCRIPT ARGS...), from the repo root."""
-import atexit, gc, os, sys, time
+slow-checkpoint SCRIPT ARGS..., shared-gpu SCRIPT ARGS...), from the repo root."""
+import atexit, gc, os, sys, time, types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
 import torch.distributed as dist
@@ -170,8 +170,22 @@ def slow_checkpoint(script, *argv):
     module.main(list(argv))
 
 
+def shared_gpu(script, *argv):
+    """Run this rank of `script` as on a node whose launcher showed every process the same GPU
+    (CUDA_VISIBLE_DEVICES=0 for all): torch sees one GPU, of one UUID; NCCL's group is made of gloo,
+    where nothing would stop two ranks on one GPU."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(uuid="GPU-8b3c", name="fake")
+    dist.is_nccl_available = lambda: True
+    init_process_group = dist.init_process_group
+    dist.init_process_group = lambda backend, **options: init_process_group("gloo", **options)
+    __import__(script).main(list(argv))
+
+
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
               "threads-left": threads_left, "fsdp-sent": fsdp_sent, "hook-sent": hook_sent,
-              "slow-checkpoint": slow_checkpoint}
+              "slow-checkpoint": slow_checkpoint, "shared-gpu": shared_gpu}
     checks[sys.argv[1]](*sys.argv[2:])
