@@ -4,7 +4,7 @@ loaders, a stop every rank agrees on, where a run is, atomic writes and the outp
 Importing it defines names and does nothing else.
 """
 import argparse, contextlib, dataclasses, functools, gc, glob, hashlib, importlib.util, json
-import math, multiprocessing, os, pathlib, signal, socket, sys, time, traceback
+import math, multiprocessing, os, pathlib, re, signal, socket, sys, time, traceback
 import torch
 import torch.distributed as dist
 # Imported before any group exists. Imported after one (as DDP, torch.compile and torchvision
@@ -522,6 +522,13 @@ positive_int, positive_float = checked(int, True), checked(float, True)
 non_negative_int, non_negative_float = checked(int, False), checked(float, False)
 
 
+def every(text):
+    """An argparse type: "100" (steps), "10s" (seconds) or "0" (never)."""
+    if not re.fullmatch(r"\d+s?", text):
+        raise argparse.ArgumentTypeError(f"a number of steps (100) or of seconds (10s), got {text}")
+    return text
+
+
 def flags_of(group, args):
     """The values in `args` of the flags defined in the argparse group `group`."""
     return {action.dest: getattr(args, action.dest) for action in group._group_actions}
@@ -539,6 +546,59 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - self.start
+
+
+class Progress:
+    """Rank 0's line inside an epoch: the step of the run's, the epoch's loss and accuracy so far
+    over all ranks, the learning rate, samples/s since the last line, the time spent and left.
+    Every N steps (`every` "100") or N seconds ("10s": rank 0's clock, which the stop vote
+    carries to the other ranks); "0": none."""
+    def __init__(self, every, step, final_step, global_batch, master):
+        self.seconds = float(every[:-1]) if every.endswith("s") else 0.0
+        self.steps = 0 if every.endswith("s") else int(every)
+        self.final_step, self.global_batch, self.master = final_step, global_batch, master
+        self.first_step = self.last_step = step
+        self.started = self.last_time = time.perf_counter()
+
+    def asks(self):
+        """Whether rank 0 asks for a line after this step: its time has come."""
+        waited = time.perf_counter() - self.last_time
+        return self.master and self.seconds > 0 and waited >= self.seconds
+
+    def due(self, step, voted):
+        """Whether this step prints: every N steps, or when the vote says rank 0 asked."""
+        if self.steps:
+            return step % self.steps == 0
+        return voted
+
+    def say(self, here, trained, lr):
+        """The line, from rank 0: `trained` is the epoch's sums so far over all ranks."""
+        now = time.perf_counter()
+        rate = (here.step - self.last_step) * self.global_batch / (now - self.last_time)
+        spent = now - self.started
+        left = spent / (here.step - self.first_step) * (self.final_step - here.step)
+        self.last_step, self.last_time = here.step, now
+        if self.master:
+            print(f"  step {here.step:{len(str(self.final_step))}d}/{self.final_step}  epoch "
+                  f"{here.epoch}  loss {trained['loss'] / trained['samples']:.4f}  acc "
+                  f"{trained['correct'] / trained['samples']:.4f}  lr {lr:.4g}  {rate:,.0f} "
+                  f"samples/s  {clock(spent)} spent, {clock(left)} left", flush=True)
+
+
+def clock(seconds):
+    """Seconds as h:mm:ss, or m:ss under an hour."""
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}:{minutes:02d}:{seconds:02d}"
+    return f"{minutes}:{seconds:02d}"
+
+
+def peak_memory(device):
+    """The most GPU memory this process has held for tensors, in bytes; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device)
 
 
 def nbytes(*tensors):
@@ -579,8 +639,8 @@ def write_outputs(metrics):
     numbers = [e["epoch"] for e in epochs]
     fig = Figure(figsize=(9, 3.5), layout="tight")
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_acc, "train_acc", "o-"),
-                           (ax_acc, "test_acc", "s-")):
+    for ax, key, style in ((ax_loss, "train_loss", "o-"), (ax_loss, "test_loss", "s-"),
+                           (ax_acc, "train_acc", "o-"), (ax_acc, "test_acc", "s-")):
         ax.plot(numbers, [e[key] for e in epochs], style, label=key.replace("_", " "))
         ax.set(xlabel="epoch", xlim=(numbers[0] - 0.5, numbers[-1] + 0.5))
         # Whole epochs: no tick at 2.5.
@@ -602,8 +662,10 @@ def finish(metrics, steps, seconds, state_dict, sent_per_step):
     write_outputs(metrics)
     weights = {k: v.detach().cpu() for k, v in state_dict.items()}
     save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
+    peaks = [peak for peak in metrics.get("peak_memory_bytes") or [] if peak is not None]
+    memory = f", {max(peaks) / 1e9:.2f} GB peak GPU memory (the most of any rank)" if peaks else ""
     print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))}"
           f" ({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} "
           f"test samples, {metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
-          f"{metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step and rank; wrote "
-          f"{out}/{{metrics.json,curves.png,model.pt}}", flush=True)
+          f"{metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step and rank{memory}; "
+          f"wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)

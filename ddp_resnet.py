@@ -85,6 +85,8 @@ parser.add_argument("--deterministic", action="store_true", help="CUDA: cuDNN's 
                     "algorithms, not its autotuner's fastest (the same bits again, slower)")
 parser.add_argument("--backend", choices=("nccl", "gloo"),
                     help="default: nccl on CUDA, else gloo (can share a GPU)")
+parser.add_argument("--print-every", type=common.every, default="10s", help="a progress line "
+                    "every N steps (100) or N seconds (10s, the default); 0: none")
 parser.add_argument("--out", default="runs/ddp_resnet",
                     help="folder for metrics.json, curves.png and model.pt")
 parser.add_argument("--checkpoint", help="written by rank 0 after every epoch, every "
@@ -172,24 +174,27 @@ def train_step(model, optimizer, X, y, args, sums):
 
 @torch.no_grad()
 def evaluate(eval_model, batches, args, device):
-    """The test accuracy over all ranks, each test image counted once, and that count: the bare
-    model (compiled with --compile), in the training's precision and memory layout. Every rank
+    """The test loss (plain cross-entropy) and accuracy over all ranks, each test image counted
+    once, and that count: the bare model (compiled with --compile), in the training's precision
+    and memory layout. Every rank
     evaluates rank 0's BatchNorm statistics, as DDP sends them before a forward (the last one
     updated each rank's own)."""
     for buffer in eval_model.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
     eval_model.eval()
-    sums = common.Sums.on(device, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = eval_model(X)
+        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     eval_model.train()
     tested = sums.total()   # DDP: summed over all ranks
-    return {"test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -363,7 +368,7 @@ def memory_format(args):
 
 
 # ---------------------------------------------------------------- training
-def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, checkpoint, args,
+def train_epoch(model, optimizer, scheduler, batches, here, stop, checkpoint, progress, args,
                 device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
@@ -382,16 +387,19 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         # The learning rate of the next step.
         scheduler.step()
         here.batch_in_epoch, here.step = batch, here.step + 1
-        if here.step == final_step:
+        if here.step == progress.final_step:
             break
         # The last step's vote, which has arrived: no step waits for the others.
-        signalled, _ = stop.vote()   # DDP: one answer on every rank
+        signalled, line = stop.vote(progress.asks())   # DDP: one answer on every rank
         if signalled:
             break
+        if progress.due(here.step, line):
+            # DDP: the epoch's sums over all ranks
+            progress.say(here, sums.total(), scheduler.get_last_lr()[0])
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
-    if signalled or here.step == final_step:
+    if signalled or here.step == progress.final_step:
         # The vote under way is left unread: the run stops, or ends, at this step.
         stop.count()
     else:
@@ -402,14 +410,17 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
 
 
 def report_epoch(metrics, epoch, sums, seconds, tested, master):
-    """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen."""
+    """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
+    curves.png: a run stopped later keeps them."""
     trained = sums.total()   # DDP: summed over all ranks
     record = common.epoch_record(epoch, trained, seconds, tested)
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-              f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-              f"{record['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+              f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+              f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+              f"{seconds:.1f} s", flush=True)
+        common.write_outputs(metrics)
 
 
 def train(args):
@@ -445,10 +456,11 @@ def train(args):
               f"{optimizer.param_groups[0]['initial_lr']:g}, cosine after {args.warmup_epochs:g} "
               f"warm-up epochs", flush=True)
     first_step, started = here.step, time.perf_counter()
+    progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DDP: one order, new each epoch
         sums, seconds, signalled = train_epoch(model, optimizer, scheduler, train_batches, here,
-                                               final_step, stop, checkpoint, args, device)
+                                               stop, checkpoint, progress, args, device)
         # A checkpoint inside the epoch: at a stop, or at the run's last step.
         if signalled or here.batch_in_epoch < steps_per_epoch:
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
@@ -465,6 +477,8 @@ def train(args):
     if signalled:
         common.say_stopped(signalled, here.step, args.checkpoint, master)
         raise SystemExit(common.PREEMPTED)   # DDP: every rank stops after this same step
+    # DDP: every rank's peak GPU memory
+    metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
         sent = bytes_sent_per_step(raw_model, args, powersgd, here.step - first_step, world_size)
         seconds = time.perf_counter() - started

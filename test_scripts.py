@@ -19,9 +19,9 @@ import ft_ddp_resnet as ft
 import scratch_lenet
 import scratch_ring
 from as_on_a_gpu import READ_BACK, as_on_a_gpu
-from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights,
-                     epoch_batches, fashion_resnet, free_port, images_counted, load_model, resnet_reference, run,
-                     scratch_ring_trains_like_one_device)
+from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok,
+                     assert_same_weights, epoch_batches, fashion_resnet, free_port, images_counted, load_model,
+                     resnet_reference, run, scratch_ring_trains_like_one_device)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
@@ -251,7 +251,8 @@ def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, f
     and 3, 3 and 4, the page and common.py call no collective that waits for the other ranks (the stop vote
     starts without waiting, and is read a step later), and no step reads anything back from the GPU (meta
     cannot: the first read-back, the evaluation's, is where the run fails). The epoch's last step may wait:
-    the evaluation follows. Torch's own collectives inside DDP and FSDP are the approach's, not counted."""
+    the evaluation follows. Torch's own collectives inside DDP and FSDP are the approach's, not counted.
+    --print-every 0: no progress line, which would read the sums back."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     events = []
@@ -269,7 +270,7 @@ def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, f
             monkeypatch.setattr(dist, name, counted)
         with pytest.raises((RuntimeError, NotImplementedError)) as failed:
             page.main(["--train-samples", "64", "--test-samples", "20", "--batch-size", "16", "--epochs", "1",
-                       "--data-dir", DATA, "--out", str(tmp_path)] + flags)
+                       "--print-every", "0", "--data-dir", DATA, "--out", str(tmp_path)] + flags)
     frames = [f for f in traceback.extract_tb(failed.value.__traceback__) if os.path.dirname(f.filename) == HERE]
     assert re.search(READ_BACK, str(failed.value)) and frames[-2].name == "evaluate", failed.value
     steps = [i for i, event in enumerate(events) if event == "step"]
@@ -615,6 +616,26 @@ def test_ddp_resnet_step_is_the_per_shard_batchnorm_step(nproc, resnet_tolerance
     expected = RESNET_BYTES if nproc > 1 else 0
     assert sent == ({f"all_reduce ({nproc} ranks)": RESNET_BYTES} if nproc > 1 else {})
     assert f"{expected / 1e6:.3g} MB to collectives per step and rank" in result.stdout
+
+
+PROGRESS = re.compile(r"^  step +(\d+)/(\d+)  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr \S+  [\d,]+ samples/s  "
+                      r"\d+:\d\d spent, \d+:\d\d left$", re.M)
+
+
+def test_progress_lines_come_at_the_steps_asked_from_rank_0_alone(tmp_path):
+    """2 ranks, 2 epochs of 6 steps. --print-every 3: lines after steps 3, 6 and 9 (12, the last, ends with its epoch
+    line), each once: the step of the run's 12, the epoch, the epoch's loss and accuracy so far over all ranks, the
+    learning rate, samples/s, the time spent and left. --print-every 1s: rank 0's clock, which the stop vote carries
+    to rank 1, so both sum their sums at the same step: lines at steps rising, each once."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py"] + TWO_EPOCHS
+    result = run(torchrun + ["--print-every", "3", "--out", str(tmp_path / "steps")])
+    assert_ok(result)
+    assert [line[:3] for line in PROGRESS.findall(result.stdout)] == [
+        ("3", "12", "1"), ("6", "12", "1"), ("9", "12", "2")], result.stdout
+    result = run(torchrun + ["--print-every", "1s", "--out", str(tmp_path / "seconds")])
+    assert_ok(result)
+    steps = [int(line[0]) for line in PROGRESS.findall(result.stdout)]
+    assert steps and steps == sorted(set(steps)) and max(steps) < 12, result.stdout
 
 
 def residual_bn_weights(net):   # each residual block's last BatchNorm's weights (ResNet-18's blocks: bn2)

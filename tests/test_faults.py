@@ -90,6 +90,43 @@ def test_sigterm_in_an_epochs_last_step_stops_before_its_evaluation(tmp_path):
     assert "done: 7 steps" in resumed.stdout
 
 
+PROGRESS = re.compile(r"^  step +(\d+)/12  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr (\S+)  ", re.M)
+
+
+def test_a_resumed_runs_progress_lines_are_the_uninterrupted_runs(tmp_path):
+    """2 ranks, a progress line after every step. Stopped at step 4, inside epoch 1, and resumed: the lines of steps
+    5 to 11 give the epoch's loss and accuracy so far over all ranks, the steps before the stop included (rank 0
+    carries them in the checkpoint), and the learning rate, as the run that never stopped gives them."""
+    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--print-every", "1"] + PREEMPTIBLE
+    whole = run(torchrun + ["--out", str(tmp_path / "whole")])
+    assert_ok(whole)
+    assert_ok(run(torchrun + ["--out", str(tmp_path / "parts"), "--max-steps", "4"]))
+    resumed = run(torchrun + ["--out", str(tmp_path / "parts"), "--resume"])
+    assert_ok(resumed)
+    lines = {int(line[0]): line for line in PROGRESS.findall(whole.stdout)}
+    again = {int(line[0]): line for line in PROGRESS.findall(resumed.stdout)}
+    assert sorted(lines) == list(range(1, 12)) and sorted(again) == list(range(5, 12)), resumed.stdout
+    assert [again[step] for step in range(5, 12)] == [lines[step] for step in range(5, 12)]
+
+
+def test_a_run_stopped_in_epoch_2_keeps_the_history_of_epoch_1(tmp_path):
+    """metrics.json and curves.png are written after every evaluated epoch: SIGTERM in epoch 2 leaves epoch 1's
+    row and its curves (and no model.pt, which is the end's); the resumed run goes on in the same files."""
+    log = tmp_path / "log"
+    flags = PREEMPTIBLE + ["--out", str(tmp_path)]
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "ddp_resnet.py"] + flags, cwd=HERE, stdout=f,
+                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_for(lambda: "checkpoint: step 8 " in read(log), 240, "a checkpoint inside epoch 2")
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=120) == 75, read(log)[-3000:]
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    assert [e["epoch"] for e in metrics["epochs"]] == [1] and "test_loss" in metrics["epochs"][0]
+    assert (tmp_path / "curves.png").stat().st_size > 0 and not (tmp_path / "model.pt").exists()
+    assert_ok(run(["python", "ddp_resnet.py", "--resume"] + flags))
+    assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
+
+
 def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_uninterrupted, tmp_path):
     """--resume with no checkpoint yet says so once and starts at step 0; --max-steps 3 stops
     inside epoch 1 and leaves a checkpoint of step 3; a cap at or below it stops at once;
