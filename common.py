@@ -63,13 +63,12 @@ def one_rank_per_gpu(device):
     first = {}
     for rank, gpu in enumerate(gpus):
         first.setdefault(gpu, rank)
-    shared = [rank for rank, gpu in enumerate(gpus) if first[gpu] != rank]
+    shared = [(first[gpu], rank, gpu) for rank, gpu in enumerate(gpus) if first[gpu] != rank]
     if shared:
-        host, gpu = gpus[shared[0]]
-        said = dist.get_rank() == first[gpus[shared[0]]]
-        sys.exit(f"rank {dist.get_rank()}: error: ranks {first[gpus[shared[0]]]} and {shared[0]} are "
-                 f"both on GPU {gpu} of {host}: start at most one process per GPU, or let them "
-                 f"share it: --backend gloo" if said else 1)
+        earlier, rank, (host, gpu) = shared[0]
+        sys.exit(f"rank {earlier}: error: ranks {earlier} and {rank} are both on GPU {gpu} of "
+                 f"{host}: start at most one process per GPU, or let them share it: --backend "
+                 f"gloo" if dist.get_rank() == earlier else 1)
 
 
 def attempt_store():
@@ -123,7 +122,7 @@ def load_on_every_rank(load, world_size):
     return loaded
 
 
-# ---------------------------------------------------------------- data: Fashion-MNIST, image folders
+# ---------------------------------------------------------------- data: Fashion-MNIST, images
 # The mean and standard deviation of Fashion-MNIST's training images: inputs near 0, spread 1.
 MEAN, STD = 0.2860, 0.3530
 
@@ -607,11 +606,14 @@ def nbytes(*tensors):
 
 
 def new_metrics(script, args, devices, backend, world_size, test_samples):
-    """metrics.json's contents, without epochs yet. `devices`: one per replica. Refuses to start
-    without matplotlib, which draws curves.png."""
+    """metrics.json's contents, without epochs yet (`devices`: one per replica); rank 0 makes
+    --out. Refuses to start without matplotlib, which draws curves.png."""
+    master = int(os.environ.get("RANK", 0)) == 0
     if importlib.util.find_spec("matplotlib") is None:
         sys.exit("error: matplotlib is not installed, and curves.png is drawn with it: "
-                 "pip install -r requirements.txt" if int(os.environ.get("RANK", 0)) == 0 else 1)
+                 "pip install -r requirements.txt" if master else 1)
+    if master:
+        os.makedirs(args.out, exist_ok=True)
     replicas = len(devices) // world_size
     return {"script": os.path.basename(script), "config": vars(args),
             "devices": [str(d) for d in devices], "backend": backend, "world_size": world_size,
@@ -656,16 +658,18 @@ def finish(metrics, steps, seconds, state_dict, sent_per_step):
     """The run's end: metrics.json, curves.png and model.pt in --out, and the closing line."""
     epochs, out = metrics["epochs"], metrics["config"]["out"]
     sent = {k: round(v) for k, v in sent_per_step.items()}
+    samples_per_s = sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs)
     metrics.update(steps=steps, seconds=seconds, test_acc=epochs[-1]["test_acc"],
                    sent_bytes_by_collective=sent, sent_bytes_per_step=sum(sent.values()),
-                   samples_per_s=sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs))
+                   samples_per_s=samples_per_s)
     write_outputs(metrics)
     weights = {k: v.detach().cpu() for k, v in state_dict.items()}
     save_atomically(lambda tmp: torch.save(weights, tmp), f"{out}/model.pt")
     peaks = [peak for peak in metrics.get("peak_memory_bytes") or [] if peak is not None]
     memory = f", {max(peaks) / 1e9:.2f} GB peak GPU memory (the most of any rank)" if peaks else ""
-    print(f"done: {steps} steps on {len(metrics['devices'])} x {'+'.join(sorted(set(metrics['devices'])))}"
-          f" ({metrics['backend']}): test acc {metrics['test_acc']:.4f} on {metrics['test_samples']} "
-          f"test samples, {metrics['samples_per_s']:,.0f} samples/s, {seconds:.1f} s, "
-          f"{metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step and rank{memory}; "
-          f"wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)
+    devices = metrics["devices"]
+    print(f"done: {steps} steps on {len(devices)} x {'+'.join(sorted(set(devices)))} "
+          f"({metrics['backend']}): test acc {metrics['test_acc']:.4f} on "
+          f"{metrics['test_samples']} test samples, {samples_per_s:,.0f} samples/s, "
+          f"{seconds:.1f} s, {metrics['sent_bytes_per_step'] / 1e6:.3g} MB to collectives per step "
+          f"and rank{memory}; wrote {out}/{{metrics.json,curves.png,model.pt}}", flush=True)

@@ -141,7 +141,8 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=args.nesterov)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
-    cosine = CosineAnnealingLR(optimizer, T_max=max(1, steps_per_epoch * args.epochs - warmup_steps))
+    decay_steps = max(1, steps_per_epoch * args.epochs - warmup_steps)
+    cosine = CosineAnnealingLR(optimizer, T_max=decay_steps)
     if warmup_steps == 0:
         return optimizer, cosine
     # Step k of the warm-up at (k + 1) / warmup_steps of the rate.
@@ -194,7 +195,8 @@ def evaluate(eval_model, batches, args, device):
     eval_model.train()
     tested = sums.total()   # DDP: summed over all ranks
     return {"test_loss": tested["loss"] / tested["samples"],
-            "test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
+            "test_acc": tested["correct"] / tested["samples"],
+            "test_count": round(tested["samples"])}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -208,7 +210,10 @@ class Checkpoint:
         self.path, self.every = args.checkpoint, args.checkpoint_every
         self.raw_model, self.optimizer, self.scheduler = raw_model, optimizer, scheduler
         self.flags, self.metrics, self.steps_per_epoch = flags, metrics, steps_per_epoch
-        self.master = dist.get_rank() == 0
+        self.master = dist.get_rank() == 0   # DDP: rank 0 writes it
+        # Made now, not at the first save: a folder that cannot be made stops the run at once.
+        if self.master:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
 
     def due(self, here):
         """Every --checkpoint-every steps; at an epoch's end the checkpoint waits for its
@@ -245,7 +250,7 @@ class Checkpoint:
             except Exception as e:
                 # A foreign file can raise anything: say which file, and why.
                 state[0] = f"error: cannot resume from {self.path}: {common.one_line(e, 400)}"
-        dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint, or its verdict
+        dist.broadcast_object_list(state, src=0)   # DDP: rank 0's checkpoint or verdict
         if isinstance(state[0], str):
             raise SystemExit(state[0] if self.master else 1)
         if state[0] is None:
@@ -308,7 +313,7 @@ def join_the_group(args):
     # torchrun sets RANK and WORLD_SIZE; main() sets them for a plain `python` run, a group of one.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # NCCL between GPUs, where torch has it; else gloo (CPUs, and GPUs without NCCL).
-    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: GPUs, NCCL
     backend = args.backend or ("nccl" if nccl else "gloo")
     device = common.pick_device(backend)   # DDP: one GPU per process
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DDP: join
@@ -345,7 +350,7 @@ def make_model(args, shape, classes, device):
     if args.sync_bn and device.type == "cuda":
         # DDP: BatchNorm's statistics over all ranks' batches
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    elif args.sync_bn and dist.get_rank() == 0:
+    elif args.sync_bn and dist.get_rank() == 0:   # DDP: rank 0 says it
         print("note: --sync-bn needs CUDA (torch refuses SyncBatchNorm on CPU): per-rank "
               "BatchNorm", flush=True)
     return raw_model.to(device, memory_format=memory_format(args))
@@ -376,7 +381,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, stop, checkpoint, pr
     the step before started."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
-    if here.batch_in_epoch and dist.get_rank() == 0:
+    if here.batch_in_epoch and dist.get_rank() == 0:   # DDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
     timer = common.Timer(device, already=here.seconds)
     signalled = None
@@ -426,11 +431,8 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
 def train(args):
     """The set-up, then the epochs, each evaluated and checkpointed. Returns the bare model."""
     rank, world_size, device, backend = join_the_group(args)   # DDP: join the others
-    stop = common.StopSignal()   # DDP: a stop every rank agrees on
-    master = rank == 0   # DDP: rank 0 alone prints and writes
-    if master:
-        os.makedirs(args.out, exist_ok=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
+    stop = common.StopSignal()   # DDP: one stop for every rank
+    master = rank == 0   # DDP: only rank 0 prints, writes
     train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
         args, rank, world_size, device)
     shape = tuple(train_set[0][0].shape)
@@ -476,7 +478,7 @@ def train(args):
             break
     if signalled:
         common.say_stopped(signalled, here.step, args.checkpoint, master)
-        raise SystemExit(common.PREEMPTED)   # DDP: every rank stops after this same step
+        raise SystemExit(common.PREEMPTED)   # DDP: every rank stops here
     # DDP: every rank's peak GPU memory
     metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
@@ -486,12 +488,13 @@ def train(args):
     return raw_model
 
 
-@record   # DDP: an error's traceback goes to torchrun's error file, its summary names the rank
+# DDP: an error's traceback goes to torchrun's error file, and its summary names the rank.
+@record
 def main(argv=None):
     args = parse_args(argv)
     # A plain `python ddp_resnet.py`: a group of one.
     common.default_to_one_process()
-    with common.leaving_the_group():   # DDP: after the run, a stop or an error
+    with common.leaving_the_group():   # DDP: leave it at the end
         return train(args)
 
 

@@ -20,7 +20,8 @@ Each row: ResNet-18 for 1x28x28 images (common.resnet), ddp_resnet.make_optimize
 in DDP over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
 step is ddp_resnet.train_step with the loop's work around it: the next batch from common.train_loader over 60,000
 images in the CPU's memory (random ones: the speed does not depend on the pixels), pinned and copied to the GPU
-without waiting, scheduler.step() and the stop vote (a gloo all_reduce of a CPU tensor, read back). --warmup steps
+without waiting, scheduler.step() and the stop vote (common.StopSignal.vote(): a gloo all_reduce of a CPU tensor
+started without waiting, the last step's read). --warmup steps
 (compiling, cuDNN's choices, the allocator) are left out; then --repeats runs of --steps steps between two CUDA
 synchronisations, the median. FLOPs: FlopCounterMode over one forward and
 backward of the eager model (matmuls and convolutions, 2 per multiply-add, as peaks count them). GPU busy: the time
@@ -183,7 +184,7 @@ def host_syncs(step, device):
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchronizing" in str(w.message) for w in caught)
 
-def make_step(row, device, vote_group, data):
+def make_step(row, device, stop, data):
     """A function that takes one of the row's steps, as ddp_resnet.py's loop takes them, each part of it labelled
     for torch.profiler (a few microseconds a step when no profiler runs)."""
     set_precision(row.precision)
@@ -219,12 +220,12 @@ def make_step(row, device, vote_group, data):
             with record_function("scheduler.step"):
                 scheduler.step()
             with record_function("stop vote"):
-                stop_vote(vote_group)
+                stop.vote()
     return step
 
-def time_row(row, device, vote_group, data, args):
+def time_row(row, device, stop, data, args):
     """(seconds a step, GPU-busy seconds a step, kernels a step, host syncs a step) of this row's steps."""
-    step = make_step(row, device, vote_group, data)
+    step = make_step(row, device, stop, data)
     for _ in range(args.warmup):
         step()
     seconds = statistics.median(seconds_per_step(step, args.steps, device) for _ in range(args.repeats))
@@ -262,11 +263,6 @@ def profile_row(row, step, steps, device, folder):
     with open(os.path.join(folder, f"profile_{name}.txt"), "w") as f:
         f.write("\n".join(lines + tables) + "\n")
     return lines
-
-def stop_vote(group):   # what common.StopSignal.agreed() does after every step: the largest signal noted, read back
-    flag = torch.tensor([0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag.item()
 
 # ---------------------------------------------------------------- the table
 def peak_of(name):
@@ -313,12 +309,12 @@ def main(argv=None):
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)   # of one
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    vote_group = dist.new_group(backend="gloo")
+    stop = common.StopSignal()
     data = (torch.randn(TRAIN_IMAGES, 1, 28, 28), torch.randint(10, (TRAIN_IMAGES,)))
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         for row in args.profile_rows:
-            step = make_step(row, device, vote_group, data)
+            step = make_step(row, device, stop, data)
             for _ in range(args.warmup):
                 step()
             print("\n".join(profile_row(row, step, args.profile_steps, device, args.profile)), flush=True)
@@ -344,7 +340,7 @@ def main(argv=None):
             continue
         begin = time.monotonic()
         try:
-            seconds, busy, kernels, syncs = time_row(row, device, vote_group, data, args)
+            seconds, busy, kernels, syncs = time_row(row, device, stop, data, args)
         except Exception as e:   # one row's failure (a compile mode, memory) leaves the others their rows
             print(f"{row.name:28} failed: {type(e).__name__}: {' '.join(str(e).split())[:150]}", flush=True)
             continue
