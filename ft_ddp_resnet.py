@@ -125,7 +125,7 @@ def cosine(step, steps):
 
 
 # ---------------------------------------------------------------- 1. the step: exact sums
-# A step's sums over its micro-batches, by name: the last numbers of its allreduce.
+# A step's sums over its micro-batches, by name: the last three numbers of its allreduce.
 SUMS = ("loss", "correct", "samples")
 
 
@@ -145,8 +145,8 @@ def gradients_of(model):
 
 def compute(model, grads, flat_sums, X, y, micro_batch, mine):
     """This member's micro-batches `mine` of (X, y): each one's mean-loss gradient added into
-    flat_sums, and its SUMS into the last numbers there. float64 holds the exact sum of float32
-    values (unless their magnitudes differ by more than ~2^25; the float32 result then still agrees
+    flat_sums, and its loss, right answers and samples into the last three numbers there. float64
+    holds the exact sum of float32 values (unless their magnitudes differ by more than ~2^25; the float32 result then still agrees
     but for a ~2^-29 chance), whoever computes which, in any order."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     momentum = [norm.momentum for norm in norms]
@@ -187,8 +187,8 @@ def failure(error, started):
 
 def exchange(model, grads, flat_sums, holds_first, count):
     """One allreduce of flat_sums: the gradients, micro-batch 0's running statistics (the others
-    send zeros) and the SUMS. Then .grad is the mean over all `count` micro-batches, rounded once
-    to float32. Returns (the step's SUMS over all members, None), or (None, the failure)."""
+    send zeros) and the step's SUMS. Then .grad is the mean over all `count` micro-batches, rounded
+    once to float32. Returns ({name: its sum over all members}, None), or (None, the failure)."""
     stats = list(statistics_of(model).values())
     pieces = flat_sums[len(grads):-3].split([b.numel() for b in stats])
     if holds_first:
