@@ -40,12 +40,12 @@ def stamped(kind):
         module = ft_ddp_resnet
     else:
         import torch, ddp_resnet
-        step = torch.optim.lr_scheduler.LambdaLR.step   # once after every optimizer step (and once when made)
+        step = torch.optim.lr_scheduler.LRScheduler.step   # once after every optimizer step (and once when made)
         def stamping(self, *args):
             step(self, *args)
             if os.environ.get("RANK") == "0" and self.last_epoch > 0:
                 print(f"stamp {self.last_epoch} {time.time():.4f}", flush=True)
-        torch.optim.lr_scheduler.LambdaLR.step = stamping
+        torch.optim.lr_scheduler.LRScheduler.step = stamping
         module = ddp_resnet
     sys.argv = [module.__file__] + sys.argv[3:]
     module.main()
