@@ -146,8 +146,9 @@ def gradients_of(model):
 def compute(model, grads, flat_sums, X, y, micro_batch, mine):
     """This member's micro-batches `mine` of (X, y): each one's mean-loss gradient added into
     flat_sums, and its loss, right answers and samples into the last three numbers there. float64
-    holds the exact sum of float32 values (unless their magnitudes differ by more than ~2^25; the float32 result then still agrees
-    but for a ~2^-29 chance), whoever computes which, in any order."""
+    holds the exact sum of float32 values (unless their magnitudes differ by more than ~2^25; the
+    float32 result then still agrees but for a ~2^-29 chance), whoever computes which, in any
+    order."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     momentum = [norm.momentum for norm in norms]
     # What no micro-batch overwrites; with none, all of it: this member then sends zeros.
