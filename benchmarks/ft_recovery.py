@@ -40,12 +40,12 @@ def stamped(kind):
         module = ft_ddp_resnet
     else:
         import torch, ddp_resnet
-        step = torch.optim.lr_scheduler.LambdaLR.step   # once after every optimizer step (and once when made)
+        step = torch.optim.lr_scheduler.LRScheduler.step   # once after every optimizer step (and once when made)
         def stamping(self, *args):
             step(self, *args)
             if os.environ.get("RANK") == "0" and self.last_epoch > 0:
                 print(f"stamp {self.last_epoch} {time.time():.4f}", flush=True)
-        torch.optim.lr_scheduler.LambdaLR.step = stamping
+        torch.optim.lr_scheduler.LRScheduler.step = stamping
         module = ddp_resnet
     sys.argv = [module.__file__] + sys.argv[3:]
     module.main()
@@ -66,7 +66,8 @@ def torchft_member(lighthouse, replica, steps, timeout_s, host="127.0.0.1", batc
     socket.gethostname = lambda: host   # torchft's checkpoint server gives its address by the host's name
     X, y = common.fashion_mnist(os.path.join(ROOT, "data"), batch * steps, 10)[0].tensors
     net = common.resnet("resnet18", 10, 0, channels=1, image_size=28)
-    optimizer, _ = common.sgd_recipe(net, 0.002 * batch / 256, 5e-4, 0, steps)   # at a constant rate
+    flags = argparse.Namespace(lr=0.002, batch_size=batch, weight_decay=5e-4, epochs=1)
+    optimizer, _ = ft_ddp_resnet.make_optimizer(net, flags, steps)   # at a constant rate
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)   # this replica group's own
     timeout = datetime.timedelta(seconds=timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, timeout=timeout,

@@ -267,8 +267,9 @@ def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_
                 run.members[name].send_signal(sig)
         assert run.wait("m0", "m1") == [75, 75], run.log("m0") + run.log("m1")
         saved = [torch.load(tmp_path / name / "checkpoint.pt") for name in ("m0", "m1")]
-        assert saved[0]["step"] == saved[1]["step"] < 6, [s["step"] for s in saved]
-        assert all(f"at step {saved[0]['step']}: stopped by SIGTERM" in run.log(name) for name in ("m0", "m1"))
+        assert saved[0]["progress"]["step"] == saved[1]["progress"]["step"] < 6, [s["progress"]["step"] for s in saved]
+        assert all(f"at step {saved[0]['progress']['step']}: stopped by SIGTERM" in run.log(name)
+                   for name in ("m0", "m1"))
         run_id = saved[0]["run"]
         assert f"coordinator: run {run_id}:" in run.log("coordinator")
     checkpoint = str(tmp_path / "m0" / "checkpoint.pt")
