@@ -91,16 +91,17 @@ def evaluate(raw_model, batches, device):
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     tested = sums.total()   # DDP: summed over all ranks
-    return {"test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
+    return {"test_acc": tested["correct"] / tested["samples"],
+            "test_count": round(tested["samples"])}
 
 
 # ---------------------------------------------------------------- training
 def train(args):
     """The set-up, then the epochs, each evaluated. Returns the bare model."""
     # DDP: join the process group. torchrun sets these variables (a plain `python` run: a group
-    # of one). NCCL between GPUs, where torch has it; else gloo (CPUs, and GPUs without NCCL).
+    # of one). The backend: NCCL between GPUs, else gloo (CPUs, and GPUs without NCCL).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DDP: where torch has it
     backend = args.backend or ("nccl" if nccl else "gloo")
     device = common.pick_device(backend)   # DDP: one GPU per process
     # Refused before any connection.

@@ -355,10 +355,10 @@ def main(argv=None):
     torch.backends.cudnn.allow_tf32 = False
     # A plain `python scratch_ring.py`: a group of one.
     common.default_to_one_process()
-    # RING: join the process group. torchrun sets these variables. NCCL between GPUs, where torch
-    # has it; else gloo (CPUs, and GPUs without NCCL).
+    # RING: join the process group. torchrun sets these variables. The backend: NCCL between GPUs,
+    # else gloo (CPUs, and GPUs without NCCL).
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # RING: where torch has it
     backend = args.backend or ("nccl" if nccl else "gloo")
     device = common.pick_device(backend, gpus_each=args.devices)   # RING: K GPUs each
     # gloo's TCP transport reads a CUDA pointer as host memory.
