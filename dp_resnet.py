@@ -99,13 +99,14 @@ def evaluate(model, batches, device):
     model.eval()
     sums = common.Sums.on(device, correct=0, samples=0)
     for X, y in batches:
-        y = y.to(device, non_blocking=True)
-        logits = model(X.to(device, non_blocking=True))   # DP: split too
+        y = y.to(device)
+        logits = model(X.to(device))   # DP: split over the GPUs too
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     model.train()
     tested = sums.total()
-    return {"test_acc": tested["correct"] / tested["samples"], "test_count": round(tested["samples"])}
+    return {"test_acc": tested["correct"] / tested["samples"],
+            "test_count": round(tested["samples"])}
 
 
 # ---------------------------------------------------------------- training

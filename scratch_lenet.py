@@ -30,6 +30,7 @@ def he(generator, *shape, gain=2.0):
 
 
 def init_params(seed):
+    """LeNet's parameters, in PARAM_NAMES' order, drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
     # The output layer gets gain 1 (no ReLU follows it), which keeps the first losses near log(10).
     return [he(g, 20, 1, 3, 3), torch.zeros(20), he(g, 50, 20, 5, 5), torch.zeros(50),
@@ -182,8 +183,8 @@ def train(args, devices):
                                  len(test_set))
     print(f"scratch_lenet: {metrics['layout']} on {devices[0]} (hand-written allreduce), "
           f"global batch {args.batch_size}", flush=True)
-    steps = args.epochs * (len(train_set) // args.batch_size)
-    total_steps = min(steps, args.max_steps or math.inf)
+    total_steps = min(args.epochs * (len(train_set) // args.batch_size),
+                      args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
     SENT.clear()
     for epoch in range(1, args.epochs + 1):

@@ -286,8 +286,8 @@ def train(args, devices, rank, world_size):
     metrics["optimizer_state_bytes"] = common.nbytes(*held)
     if master:
         say_start(metrics, args, overlap, replicas, devices, world_size)
-    steps = args.epochs * (len(train_set) // args.batch_size)
-    total_steps = min(steps, args.max_steps or math.inf)
+    total_steps = min(args.epochs * (len(train_set) // args.batch_size),
+                      args.max_steps or math.inf)
     step, start = 0, time.perf_counter()
     SENT.clear()
     for epoch in range(1, args.epochs + 1):
