@@ -180,11 +180,11 @@ def test_evaluation_counts_on_the_models_device(world_size):
     net = fashion_resnet(0).to(META).eval()
     batches = [(torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)))] * 2
     with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
-        common.accuracy(net, batches, META, 1)
+        dp_resnet.evaluate(net, batches, META)
     toy = ddp_toy.ToyMLP().to(META)
     with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
-        common.accuracy(toy, common.test_loader(torch.utils.data.TensorDataset(*ddp_toy.toy_data(9, 2)), 0, world_size,
-                                                META), META, 1)
+        ddp_toy.evaluate(toy, common.test_loader(torch.utils.data.TensorDataset(*ddp_toy.toy_data(9, 2)), 0,
+                                                 world_size, META), META)
 
 
 def test_accuracy_counts_exactly_past_float32s_integers():
@@ -192,7 +192,7 @@ def test_accuracy_counts_exactly_past_float32s_integers():
     n = 2**24 + 1
     X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
     X[:, 0], y[0] = 1, 1
-    assert common.accuracy(lambda X: X, [(X, y)], torch.device("cpu"), 1) == [n - 1, n]
+    assert ddp_toy.evaluate(lambda X: X, [(X, y)], torch.device("cpu")) == {"test_acc": (n - 1) / n, "test_count": n}
 
 
 GPU_RESNET = ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--data-dir",

@@ -7,6 +7,7 @@ import json, os, subprocess, sys
 import pytest
 import torch
 import common
+import dp_resnet
 import scratch_lenet
 from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
                      free_port, images_counted, load_model, resnet_reference, resnet_step, run,
@@ -99,9 +100,9 @@ def test_ddp_resnet_accuracy_is_over_the_whole_test_set(tmp_path):
     net.load_state_dict(load_model(tmp_path))
     test_set = common.fashion_mnist(DATA, 1, 101)[1]
     cpu = torch.device("cpu")
-    correct, count = common.accuracy(net.eval(), common.test_loader(test_set, 0, 1, cpu), cpu, 1)
-    assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == correct / count
-    assert images_counted(tmp_path) == [count] == [101]
+    tested = dp_resnet.evaluate(net, common.test_loader(test_set, 0, 1, cpu), cpu)
+    assert json.load(open(tmp_path / "metrics.json"))["test_acc"] == tested["test_acc"]
+    assert images_counted(tmp_path) == [tested["test_count"]] == [101]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
