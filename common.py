@@ -570,6 +570,10 @@ class Progress:
             return step % self.steps == 0
         return voted
 
+    def spent(self):
+        """Seconds since the loop started."""
+        return time.perf_counter() - self.started
+
     def say(self, here, trained, lr):
         """The line, from rank 0: `trained` is the epoch's sums so far over all ranks."""
         now = time.perf_counter()

@@ -263,7 +263,7 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------- the wrap, and what it sends
-def wrap(raw_model, args, device, backend):
+def wrap(raw_model, args, device, backend, resumed):
     """DDP: the wrap, after loading: it broadcasts rank 0's weights, then averages the gradients
     in backward. --comm-hook replaces each bucket's allreduce with one of PyTorch's, set before
     the first backward: bf16 and fp16 cast down and back (half the bytes); PowerSGD (Vogels et
@@ -288,6 +288,12 @@ def wrap(raw_model, args, device, backend):
                                                matrix_approximation_rank=args.powersgd_rank,
                                                start_powerSGD_iter=args.powersgd_start)
         model.register_comm_hook(powersgd, powerSGD_hook.powerSGD_hook)   # DDP: the hook
+        # Its state is per bucket, and DDP makes its buckets anew in a process's first step: a
+        # checkpoint does not keep it.
+        if resumed and dist.get_rank() == 0:   # DDP: rank 0 says it
+            print(f"note: PowerSGD starts afresh after a resume: plain allreduce for "
+                  f"{args.powersgd_start} steps, then empty error feedback (close to, not the "
+                  f"same as, one uninterrupted run)", flush=True)
     return model, powersgd
 
 
@@ -447,7 +453,7 @@ def train(args):
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return raw_model
-    model, powersgd = wrap(raw_model, args, device, backend)   # DDP: the wrap
+    model, powersgd = wrap(raw_model, args, device, backend, here.step > 0)   # DDP: the wrap
     eval_model = raw_model
     if args.compile:
         model, eval_model = torch.compile(model), torch.compile(raw_model)
@@ -457,7 +463,6 @@ def train(args):
               f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), lr "
               f"{optimizer.param_groups[0]['initial_lr']:g}, cosine after {args.warmup_epochs:g} "
               f"warm-up epochs", flush=True)
-    first_step, started = here.step, time.perf_counter()
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DDP: one order, new each epoch
@@ -476,15 +481,18 @@ def train(args):
             checkpoint.save(here)
         if here.step == final_step:
             break
+    # The loaders' workers end with the loop: freed later, in a garbage collection, they would
+    # not be told (torch's queues close first), and they ignore SIGTERM.
+    del train_batches, test_batches
     if signalled:
         common.say_stopped(signalled, here.step, args.checkpoint, master)
         raise SystemExit(common.PREEMPTED)   # DDP: every rank stops here
     # DDP: every rank's peak GPU memory
     metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
-        sent = bytes_sent_per_step(raw_model, args, powersgd, here.step - first_step, world_size)
-        seconds = time.perf_counter() - started
-        common.finish(metrics, here.step, seconds, raw_model.state_dict(), sent)
+        sent = bytes_sent_per_step(raw_model, args, powersgd, here.step - progress.first_step,
+                                   world_size)
+        common.finish(metrics, here.step, progress.spent(), raw_model.state_dict(), sent)
     return raw_model
 
 

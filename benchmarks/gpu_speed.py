@@ -200,7 +200,7 @@ def make_step(row, device, stop, data):
     optimizer, scheduler = ddp_resnet.make_optimizer(net, flags, steps_per_epoch)
     for group in optimizer.param_groups:
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
-    ddp_model, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo")
+    ddp_model, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo", False)
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
     totals = common.Sums.on(device, loss=0, correct=0, samples=0)
     drawn = batches(*data, row.batch, device, row.gpudata)
