@@ -158,7 +158,7 @@ def train_step(model, optimizer, X, y, args, sums):
 def evaluate(raw_model, outer, batches, device):
     """The test loss (plain cross-entropy) and accuracy of the shared weights of the last sync over
     all ranks, each test image counted once, and that count. This rank's replica is put back
-    after."""
+    after, in training mode."""
     replica = copy.deepcopy(raw_model.state_dict())
     raw_model.load_state_dict(outer.shared_state(raw_model))
     raw_model.eval()
@@ -170,6 +170,7 @@ def evaluate(raw_model, outer, batches, device):
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     raw_model.load_state_dict(replica)
+    raw_model.train()
     tested = sums.total()   # DiLoCo: summed over all ranks
     return {"test_loss": tested["loss"] / tested["samples"],
             "test_acc": tested["correct"] / tested["samples"],
