@@ -2,120 +2,296 @@
 
     python diloco_resnet.py                                   # one process, no launcher needed
     torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 10
-    torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py --local-steps 50
+    torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 diloco_resnet.py \\
+        --local-steps 50
 
-DDP allreduces the gradients at every step; over a slow link between machines that wait is most of the step. DiLoCo
-(Douillard et al., 2023) talks H times less often. Each rank trains its own replica on its share of each global batch
-for `--local-steps` H inner steps, with ddp_resnet.py's optimizer (SGD, momentum 0.9, the large-batch recipe), its
-momentum kept per rank. Then the ranks average the pseudo-gradient, the shared weights of the last sync minus their own,
-and an outer SGD with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) steps the shared weights
-with it; every replica starts the next round from them. BatchNorm statistics are rank 0's at each sync, as in
-ddp_resnet.py.
+DDP allreduces the gradients at every step; over a slow link between machines that wait is most
+of the step. DiLoCo (Douillard et al., 2023) talks H times less often. Each rank trains its own
+replica on its share of each global batch for `--local-steps` H inner steps, with ddp_resnet.py's
+optimizer (SGD, momentum 0.9, the large-batch recipe), its momentum kept per rank. Then the ranks
+average the pseudo-gradient, the shared weights of the last sync minus their own, and an outer SGD
+with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) steps the shared
+weights with it; every replica starts the next round from them. BatchNorm statistics are rank 0's
+at each sync, as in ddp_resnet.py.
 
-With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the average of the ranks'
-SGD updates from the same weights is the update of their averaged gradient (momentum is linear too). That is the
-lesson's proof, and a test.
+With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
+average of the ranks' SGD updates from the same weights is the update of their averaged gradient
+(momentum is linear too). That is the lesson's proof, and a test.
 
-Data, model, recipe, checkpoints and preemption as in ddp_resnet.py. Evaluation and model.pt use the shared weights of
-the last sync. A checkpoint holds the shared weights and the outer momentum, and a folder beside it every rank's replica
-with its inner optimizer: a run stopped inside a round resumes in it (at the same world size). Copy it with common.py.
-Lines that exist only because of distribution are tagged `# DiLoCo:`.
+Data, model, optimizer and its schedule, checkpoints and preemption as in ddp_resnet.py.
+Evaluation and model.pt use the shared weights of the last sync. A checkpoint holds the shared
+weights and the outer momentum, and a folder beside it every rank's replica with its inner
+optimizer: a run stopped inside a round resumes in it (at the same world size). Copy it with
+common.py. Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import argparse, collections, functools, math, os, shutil, sys, time
+import argparse, collections, copy, dataclasses, glob, math, os, shutil, time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import Subset
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from torchvision import transforms as T
-from torchvision.datasets import ImageFolder
 import common
+
+
+# ---------------------------------------------------------------- the flags
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+training = parser.add_argument_group("training", "what --resume must repeat: these choose the "
+                                     "batches, the steps and the weights")
+training.add_argument("--epochs", type=common.positive_int, default=5,
+                      help="passes over the training set")
+training.add_argument("--batch-size", type=common.positive_int, default=256,
+                      help="global batch, over all ranks")
+training.add_argument("--lr", type=common.positive_float, default=0.05,
+                      help="learning rate per 256 samples of the global batch")
+training.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
+                      help="epochs of the learning rate's linear ramp-up")
+training.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
+                      help="on the weights, not on biases or BatchNorm")
+training.add_argument("--seed", type=int, default=0,
+                      help="seeds the weights, the batch order and the augmentation")
+training.add_argument("--arch", default="resnet18",
+                      help="a torchvision ResNet (resnet18, resnet50, ...)")
+training.add_argument("--image-size", type=common.positive_int, default=224,
+                      help="image folders: resized and cropped to it")
+training.add_argument("--no-augment", action="store_true",
+                      help="image folders: no random crop and flip")
+training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
+training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+training.add_argument("--local-steps", type=common.positive_int, default=10, help="H: inner steps "
+                      "each rank takes alone between two syncs (1: every step, as DDP)")
+training.add_argument("--outer-lr", type=common.positive_float, default=0.7,
+                      help="the outer SGD's learning rate, on the averaged pseudo-gradient")
+training.add_argument("--outer-momentum", type=common.non_negative_float, default=0.9,
+                      help="the outer SGD's Nesterov momentum (0: none)")
+parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
+                    "per class, or with Fashion-MNIST (FashionMNIST/raw/); default: ./data, "
+                    "where Fashion-MNIST is downloaded")
+parser.add_argument("--workers", type=common.non_negative_int, default=2,
+                    help="DataLoader's (not for data in memory)")
+parser.add_argument("--test-samples", type=common.positive_int, help="only N test images")
+parser.add_argument("--max-steps", type=common.positive_int,
+                    help="stop after this many optimizer steps")
+parser.add_argument("--channels-last", action="store_true",
+                    help="NHWC memory layout (faster convolutions on GPUs)")
+parser.add_argument("--backend", choices=("nccl", "gloo"),
+                    help="default: nccl on CUDA, else gloo (can share a GPU)")
+parser.add_argument("--print-every", type=common.every, default="10s", help="a progress line "
+                    "every N steps (100) or N seconds (10s, the default); 0: none")
+parser.add_argument("--out", default="runs/diloco_resnet",
+                    help="folder for metrics.json, curves.png and model.pt")
+parser.add_argument("--checkpoint", help="written by rank 0 after every epoch, every "
+                    "--checkpoint-every steps, where the run stops and on SIGTERM/SIGUSR1, with "
+                    "every rank's replica in a folder beside it (default: <out>/checkpoint.pt)")
+parser.add_argument("--checkpoint-every", type=common.positive_int,
+                    help="also every N steps, inside epochs and rounds")
+parser.add_argument("--resume", action="store_true", help="go on from --checkpoint (as rank 0 "
+                    "sees it), mid-round too, at the same world size and training flags; without "
+                    "one, start at step 0")
+
+
+def parse_args(argv=None):
+    args = parser.parse_args(argv)
+    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
+    return args
+
 
 # ---------------------------------------------------------------- your data goes here
 def datasets(args):
-    """(training set, test set, number of classes), as in ddp_resnet.py: replace this body with your own
-    Datasets of (image tensor [C, H, W], label). Here: Fashion-MNIST, or your images when --data-dir holds train/
-    and val/, one subfolder per class (torchvision's ImageFolder)."""
+    """(training set, test set, number of classes): replace this body with your own Datasets. Any
+    whose items are (image tensor [C, H, W], label) will do: the model is made for their images'
+    shape, and the loader draws their random numbers (torch's) from (seed, epoch, index), so that
+    a resume is exact."""
     if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
         return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
-    folders = []
-    for split in ("train", "val"):
-        try:
-            folders.append(ImageFolder(os.path.join(args.data_dir, split)))
-        except OSError as e:   # no class folders, or a class without images: torchvision's message names it
-            sys.exit(f"error: {os.path.join(args.data_dir, split)}: {e}")
-    train, val = folders
-    if train.classes != val.classes:
-        sys.exit(f"error: {args.data_dir}/train and {args.data_dir}/val have other class folders "
-                 f"({' '.join(sorted(set(train.classes) ^ set(val.classes)))} in one only)")
-    mode = common.read_image(train.samples[0][0]).mode   # "L" or "RGB": every image is read as the first one is
-    normalize = T.Normalize((common.MEAN,), (common.STD,))   # Fashion-MNIST's for gray images, ImageNet's for colour
-    if mode == "RGB":
-        normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    resize = [T.Resize(args.image_size), T.CenterCrop(args.image_size)]
-    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
-    parts = []
-    for folder, first, n in ((train, resize if args.no_augment else augment, args.train_samples),
-                             (val, resize, args.test_samples)):
-        folder.loader = functools.partial(common.read_image, mode=mode)
-        folder.transform = T.Compose(first + [T.ToTensor(), normalize])
-        if n and n < len(folder):   # N images spread over the classes (a folder's images are sorted by class)
-            folder = Subset(folder, [i * len(folder) // n for i in range(n)])
-        parts.append(folder)
-    return parts[0], parts[1], len(train.classes)
+    size = args.image_size
+    resize = [T.Resize(size), T.CenterCrop(size)]
+    augment = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    if args.no_augment:
+        augment = resize
+    return common.image_folders(args.data_dir, augment, resize, args.train_samples,
+                                args.test_samples)
 
-# ---------------------------------------------------------------- the outer step: what makes this DiLoCo
-class Outer:
-    """The shared weights (of the last sync) and the outer optimizer that steps them."""
-    def __init__(self, net, lr, momentum):
-        self.params = [p.detach().clone() for p in net.parameters()]   # where every replica started the round
-        self.buffers = [b.detach().clone() for b in net.buffers()]
-        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
-    def sync(self, net, world_size, sent):
-        """The end of a round: one allreduce of every parameter's pseudo-gradient (the weights of
-        the round's start minus this rank's), averaged, an outer step of the shared weights, and
-        every replica set to them; rank 0's BatchNorm statistics for all."""
-        pseudo = torch.cat([(start - p.detach()).flatten() for start, p in zip(self.params, net.parameters())])
-        sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
-        dist.all_reduce(pseudo)   # DiLoCo: the round's only exchange of weights, H steps' worth
-        pseudo /= world_size
-        for start, part in zip(self.params, pseudo.split([p.numel() for p in self.params])):
-            start.grad = part.view_as(start)
-        self.optimizer.step()   # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum
-        for buffer in net.buffers():
-            sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
-            dist.broadcast(buffer, src=0)   # DiLoCo: BatchNorm statistics: rank 0's, as ddp_resnet.py keeps
-        with torch.no_grad():
-            for p, start in zip(net.parameters(), self.params):
-                p.copy_(start)   # every replica starts the next round from the shared weights
-            for b, shared in zip(net.buffers(), self.buffers):
-                shared.copy_(b)
+# ---------------------------------------------------------------- the optimizer and its schedule
+def make_optimizer(raw_model, args, steps_per_epoch):
+    """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
+    biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
+    scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
+    batches diverge without one), then decayed to zero along a cosine. Here the inner optimizer,
+    each rank's own, that steps its replica."""
+    decay = [p for p in raw_model.parameters() if p.ndim > 1]
+    no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    lr = args.lr * args.batch_size / 256
+    optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    warmup_steps = round(args.warmup_epochs * steps_per_epoch)
+    decay_steps = max(1, steps_per_epoch * args.epochs - warmup_steps)
+    cosine = CosineAnnealingLR(optimizer, T_max=decay_steps)
+    if warmup_steps == 0:
+        return optimizer, cosine
+    # Step k of the warm-up at (k + 1) / warmup_steps of the rate.
+    warmup = LinearLR(optimizer, 1 / warmup_steps, total_iters=warmup_steps - 1)
+    return optimizer, SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
 
-    def shared_state(self, net):
-        """The shared weights as a state dict of `net`'s names (for evaluation and model.pt)."""
-        names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
-        return dict(zip(names, self.params + self.buffers))
 
-    def state_dict(self):
-        return {"params": self.params, "buffers": self.buffers, "optimizer": self.optimizer.state_dict()}
+# ---------------------------------------------------------------- one inner step
+def train_step(model, optimizer, X, y, args, sums):
+    """This rank's step on its replica, alone: nothing is sent. The epoch's sums grow on the
+    device: nothing here waits for the GPU."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
+        logits = model(X)
+        loss = F.cross_entropy(logits, y)
+    # This rank's gradient only.
+    loss.backward()
+    # The inner step, of this rank's replica.
+    optimizer.step()
+    sums["loss"] += loss.detach() * len(y)
+    sums["correct"] += (logits.argmax(1) == y).sum()
+    # A Python number: no copy to the device.
+    sums["samples"] += len(y)
 
-    def load_state_dict(self, state):
-        with torch.no_grad():
-            for mine, saved in zip(self.params + self.buffers, state["params"] + state["buffers"]):
-                mine.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
 
-def evaluate_shared(test_batches, net, outer, device):
-    """Test accuracy of the shared weights of the last sync (over all ranks); this rank's replica is put back after."""
-    replica = {k: v.clone() for k, v in net.state_dict().items()}
-    net.load_state_dict(outer.shared_state(net))
-    net.eval()
-    tested = common.accuracy(net, test_batches, device, dist.get_world_size())   # DiLoCo: [correct, count] summed
-    net.load_state_dict(replica)
-    return tested
+@torch.no_grad()
+def evaluate(raw_model, outer, batches, device):
+    """The test loss (plain cross-entropy) and accuracy of the shared weights of the last sync over
+    all ranks, each test image counted once, and that count. This rank's replica is put back
+    after, in training mode."""
+    replica = copy.deepcopy(raw_model.state_dict())
+    raw_model.load_state_dict(outer.shared_state(raw_model))
+    raw_model.eval()
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    for X, y in batches:
+        y = y.to(device, non_blocking=True)
+        logits = raw_model(X.to(device, non_blocking=True))
+        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
+        sums["correct"] += (logits.argmax(1) == y).sum()
+        sums["samples"] += len(y)
+    raw_model.load_state_dict(replica)
+    raw_model.train()
+    tested = sums.total()   # DiLoCo: summed over all ranks
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"],
+            "test_count": round(tested["samples"])}
 
-# ---------------------------------------------------------------- checkpoints: the shared weights and every replica
+
+# ---------------------------------------------------------------- checkpoints
+class Checkpoint:
+    """The checkpoint file, written by rank 0 and read by rank 0 alone: the position, the training
+    flags, the history of the epochs, the schedule, the shared weights and the outer momentum, and
+    the name of its replica folder. That folder, beside the file, holds every rank's replica and
+    inner optimizer (inside a round they differ), one file per rank, moved through rank 0 one at a
+    time: its memory does not grow with the world size. A resume needs the same world size."""
+    KEYS = {"position", "flags", "history", "scheduler", "outer", "world_size", "replicas"}
+
+    def __init__(self, args, raw_model, optimizer, scheduler, outer, flags, metrics,
+                 steps_per_epoch):
+        self.path, self.every = args.checkpoint, args.checkpoint_every
+        self.raw_model, self.optimizer, self.scheduler = raw_model, optimizer, scheduler
+        self.outer, self.flags, self.metrics = outer, flags, metrics
+        self.steps_per_epoch = steps_per_epoch
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()   # DiLoCo: of how many
+        self.master = self.rank == 0
+        # Made now, not at the first save: a folder that cannot be made stops the run at once.
+        if self.master:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def due(self, here):
+        """Every --checkpoint-every steps; at an epoch's end the checkpoint waits for its
+        evaluation."""
+        inside = here.batch_in_epoch < self.steps_per_epoch
+        return self.every is not None and here.step % self.every == 0 and inside
+
+    def save(self, position):
+        """On every rank at the same step: every rank's replica to rank 0, then rank 0 writes the
+        file. Older replica folders are deleted only once the new file is in place, so that a
+        crash leaves the last complete checkpoint."""
+        folder = f"{self.path}.replicas-step{position.step}"
+        self.save_replicas(folder)
+        if self.master:
+            state = {"position": dataclasses.asdict(position), "flags": self.flags,
+                     "history": self.metrics["epochs"], "scheduler": self.scheduler.state_dict(),
+                     "outer": self.outer.state_dict(), "world_size": self.world_size,
+                     "replicas": os.path.basename(folder)}
+            common.save_atomically(lambda tmp: torch.save(state, tmp), self.path)
+            for older in glob.glob(f"{glob.escape(self.path)}.replicas-step*"):
+                if older != folder:
+                    shutil.rmtree(older, ignore_errors=True)
+            where = position.where(self.steps_per_epoch)
+            print(f"  checkpoint: step {position.step} ({where})", flush=True)
+        # DiLoCo: no rank goes on, or leaves at a stop, before it is on disk
+        dist.barrier()   # DiLoCo: wait for rank 0's write
+
+    def save_replicas(self, folder):
+        """Each rank's replica and inner optimizer into `folder`, a file per rank, written by rank 0
+        as it receives them, one at a time."""
+        replica = on_cpu({"model": self.raw_model.state_dict(),
+                          "optimizer": self.optimizer.state_dict()})
+        for sender in range(self.world_size):
+            if self.master and sender:
+                received = [None]
+                dist.recv_object_list(received, src=sender)   # DiLoCo: rank `sender`'s replica
+                replica = received[0]
+            if self.master:
+                os.makedirs(folder, exist_ok=True)
+                common.save_atomically(lambda tmp: torch.save(replica, tmp),
+                                       os.path.join(folder, f"rank{sender}.pt"))
+            elif self.rank == sender:
+                dist.send_object_list([replica], dst=0)   # DiLoCo: to rank 0
+
+    def resume(self, final_step):
+        """The position to go on from, and the history back in metrics["epochs"]: from step 0
+        without a checkpoint, None when this run has nothing left to train. Rank 0 reads and checks
+        the file, sends every rank the position and the shared weights, then each rank its replica,
+        one at a time. An error is said once."""
+        found, mine = [None], None
+        if self.master and not os.path.exists(self.path):
+            print(f"no checkpoint at {self.path}: training starts from step 0", flush=True)
+        elif self.master:
+            try:
+                found[0] = torch.load(self.path, map_location="cpu")
+                common.check_keys(found[0], self.KEYS)
+                written_by = found[0]["world_size"]
+                if written_by != self.world_size:
+                    raise ValueError(f"it was written by {written_by} ranks, each with its own "
+                                     f"replica; resume with {written_by}")
+                mine = self.replica(found[0], 0)
+                # Checked here, once.
+                self.raw_model.load_state_dict(mine["model"])
+            except Exception as e:
+                # A foreign file can raise anything: say which file, and why.
+                found[0] = f"error: cannot resume from {self.path}: {common.one_line(e, 400)}"
+        dist.broadcast_object_list(found, src=0)   # DiLoCo: the position and shared weights
+        state = found[0]
+        if isinstance(state, str):
+            raise SystemExit(state if self.master else 1)
+        if state is None:
+            return common.Position()
+        for receiver in range(1, self.world_size):
+            # Each rank its replica, one in rank 0's memory at a time.
+            if self.master:
+                theirs = self.replica(state, receiver)
+                dist.send_object_list([theirs], dst=receiver)   # DiLoCo: rank `receiver`'s replica
+            elif self.rank == receiver:
+                received = [None]
+                dist.recv_object_list(received, src=0)   # DiLoCo: this rank's replica
+                mine = received[0]
+        self.raw_model.load_state_dict(mine["model"])
+        self.optimizer.load_state_dict(mine["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.outer.load_state_dict(state["outer"])
+        self.metrics["epochs"] = state["history"]
+        return common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
+                                      final_step, self.master)
+
+    def replica(self, state, rank):
+        """Rank `rank`'s replica and inner optimizer, from the folder of the checkpoint `state`."""
+        path = os.path.join(os.path.dirname(self.path), state["replicas"], f"rank{rank}.pt")
+        return torch.load(path, map_location="cpu")
+
+
 def on_cpu(state):
     """The tensors in nested dicts and lists, copied to the CPU: a GPU tensor sent to rank 0
     would be unpickled there onto the GPU of the sender's number."""
@@ -123,238 +299,254 @@ def on_cpu(state):
         return state.cpu()
     if isinstance(state, dict):
         return {k: on_cpu(v) for k, v in state.items()}
-    return type(state)(on_cpu(v) for v in state) if isinstance(state, (list, tuple)) else state
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(v) for v in state)
+    return state
 
-def replica_files(path, step):
-    """The folder of the replicas that the checkpoint `path` of step `step` goes with."""
-    return f"{path}.replicas-step{step}"
 
-def save_checkpoint(path, net, optimizer, scheduler, outer, position, flags, history, rank, world_size):
-    """Rank 0 writes each rank's replica, inner optimizer and random state (inside a round they differ) to a folder of
-    their own, one file per rank, receiving them one at a time (its memory does not grow with the world size); then the
-    checkpoint file itself: the position, the shared weights and outer momentum, and which folder goes with it. Older
-    folders are deleted only once the new file is in place, so a crash leaves the last complete checkpoint."""
-    replica = on_cpu({"model": net.state_dict(), "optimizer": optimizer.state_dict()})
-    folder = replica_files(path, position["step"])
-    for sender in range(world_size):
-        if rank == 0:
-            if sender:
-                received = [None]
-                dist.recv_object_list(received, src=sender)   # DiLoCo: rank `sender`'s replica, alone
-                replica = received[0]
-            os.makedirs(folder, exist_ok=True)
-            common.save_atomically(lambda tmp: torch.save(replica, tmp), os.path.join(folder, f"rank{sender}.pt"))
-        elif rank == sender:
-            dist.send_object_list([replica], dst=0)   # DiLoCo: this rank's replica to rank 0
-    if rank == 0:
-        state = {"world_size": world_size, **position, "flags": flags, "history": history, "outer": outer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "replicas": os.path.basename(folder)}
-        common.save_atomically(lambda tmp: torch.save(state, tmp), path)
-        prefix = os.path.basename(path) + ".replicas-step"
-        for name in os.listdir(os.path.dirname(os.path.abspath(path))):
-            if name.startswith(prefix) and name != os.path.basename(folder):
-                shutil.rmtree(os.path.join(os.path.dirname(os.path.abspath(path)), name), ignore_errors=True)
-    dist.barrier()   # DiLoCo: no rank goes on (or leaves, at a stop) before the checkpoint is on disk
+# ---------------------------------------------------------------- the outer step, and what it sends
+class Outer:
+    """The shared weights (of the last sync) and the outer optimizer that steps them."""
+    def __init__(self, raw_model, lr, momentum):
+        # Where every replica started the round.
+        self.params = [p.detach().clone() for p in raw_model.parameters()]
+        self.buffers = [b.detach().clone() for b in raw_model.buffers()]
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum,
+                                         nesterov=momentum > 0)
 
-def load_checkpoint(path, net, optimizer, scheduler, outer, rank, world_size):
-    """Rank 0 reads and checks the file, sends all ranks the position and shared weights, then each rank its replica,
-    one at a time. Returns the checkpoint, or None when there is none; errors exit, said once."""
-    state = [None]
-    if rank == 0 and not os.path.exists(path):
-        print(f"no checkpoint at {path}: training starts from step 0", flush=True)
-    elif rank == 0:
-        try:
-            state[0] = torch.load(path, map_location="cpu")
-            if not isinstance(state[0], dict) or "outer" not in state[0]:
-                raise ValueError("it holds no diloco_resnet.py checkpoint")
-            if state[0]["world_size"] != world_size:
-                raise ValueError(f"it was written by {state[0]['world_size']} ranks, each with its own replica; "
-                                 f"resume with {state[0]['world_size']}")
-            folder = os.path.join(os.path.dirname(os.path.abspath(path)), state[0]["replicas"])
-            mine = torch.load(os.path.join(folder, "rank0.pt"), map_location="cpu")
-            net.load_state_dict(mine["model"])   # checked here, once
-        except Exception as e:
-            state[0] = f"error: cannot resume from {path}: {' '.join(str(e).split())[:400]}"
-    dist.broadcast_object_list(state, src=0)   # DiLoCo: the position and shared weights, or the verdict
-    if isinstance(state[0], str):
-        raise SystemExit(state[0] if rank == 0 else 1)
-    if state[0]:
-        for receiver in range(1, world_size):
-            if rank == 0:   # each rank its replica, one in rank 0's memory at a time
-                theirs = torch.load(os.path.join(folder, f"rank{receiver}.pt"), map_location="cpu")
-                dist.send_object_list([theirs], dst=receiver)   # DiLoCo: rank `receiver`'s replica
-            elif rank == receiver:
-                received = [None]
-                dist.recv_object_list(received, src=0)   # DiLoCo: this rank's replica
-                mine = received[0]
-        net.load_state_dict(mine["model"])
-        optimizer.load_state_dict(mine["optimizer"])
-        scheduler.load_state_dict(state[0]["scheduler"])
-        outer.load_state_dict(state[0]["outer"])
-    return state[0]
+    def sync(self, raw_model, world_size, sent):
+        """The end of a round: one allreduce of every parameter's pseudo-gradient (the weights of
+        the round's start minus this rank's), averaged, an outer step of the shared weights, and
+        every replica set to them; rank 0's BatchNorm statistics for all. Adds the bytes handed
+        to collectives to `sent`."""
+        pseudo = torch.cat([(start - p.detach()).flatten()
+                            for start, p in zip(self.params, raw_model.parameters())])
+        sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
+        # DiLoCo: the round's only exchange of weights, H steps' worth
+        dist.all_reduce(pseudo)   # DiLoCo: summed over all ranks
+        pseudo /= world_size
+        for start, part in zip(self.params, pseudo.split([p.numel() for p in self.params])):
+            start.grad = part.view_as(start)
+        # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum.
+        self.optimizer.step()
+        for buffer in raw_model.buffers():
+            sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
+            dist.broadcast(buffer, src=0)   # DiLoCo: rank 0's BatchNorm statistics
+        with torch.no_grad():
+            # Every replica starts the next round from the shared weights.
+            for p, start in zip(raw_model.parameters(), self.params):
+                p.copy_(start)
+            for b, shared in zip(raw_model.buffers(), self.buffers):
+                shared.copy_(b)
 
-# ---------------------------------------------------------------- one inner step
-def train_step(net, optimizer, X, y, amp, totals):
-    """This rank's step on its replica, alone: nothing is sent. Adds the summed loss, the hits and the samples
-    to `totals` (on the device: no sync with the GPU)."""
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(X.device.type, torch.bfloat16, enabled=amp):
-        logits = net(X)
-        loss = F.cross_entropy(logits, y)
-    loss.backward()   # this rank's gradient only
-    optimizer.step()   # the inner step, of this rank's replica
-    totals[0] += loss.detach() * len(y)
-    totals[1] += (logits.argmax(1) == y).sum()
-    totals[2] += len(y)   # a Python number: no copy to the device
+    def shared_state(self, raw_model):
+        """The shared weights as a state dict of `raw_model`'s names (for evaluation and
+        model.pt)."""
+        names = [name for name, _ in raw_model.named_parameters()]
+        names += [name for name, _ in raw_model.named_buffers()]
+        return dict(zip(names, self.params + self.buffers))
+
+    def state_dict(self):
+        return {"params": self.params, "buffers": self.buffers,
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            for mine, saved in zip(self.params + self.buffers, state["params"] + state["buffers"]):
+                mine.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def bytes_sent_per_step(sent, steps):
+    """What this rank handed to collectives, per step of this run: `sent` counts its syncs'."""
+    return {collective: nbytes / max(1, steps) for collective, nbytes in sent.items()}
+
+
+# ---------------------------------------------------------------- the set-up
+def join_the_group(args):
+    """DiLoCo: this process joins the others. Returns its rank, the world size, its device and the
+    backend."""
+    # torchrun sets RANK and WORLD_SIZE; main() sets them for a plain `python` run, a group of one.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # NCCL between GPUs, where torch has it; else gloo (CPUs, and GPUs without NCCL).
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DiLoCo: GPUs, NCCL
+    backend = args.backend or ("nccl" if nccl else "gloo")
+    device = common.pick_device(backend)   # DiLoCo: one GPU per process
+    dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DiLoCo: join
+                            world_size=world_size, device_id=device if backend == "nccl" else None)
+    return rank, world_size, device, backend
+
+
+def load_data(args, rank, world_size, device):
+    """The datasets, loaded by each node's first rank first, and this rank's loaders."""
+    # DiLoCo: every node reads its own disk
+    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)
+    common.check_batch(args.batch_size, world_size, len(train_set), rank, args.train_samples)
+    # DiLoCo: this rank's 1/W of each global batch
+    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank,
+                                                 world_size, device, args.workers)
+    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
+    return train_set, test_set, classes, train_batches, sampler, test_batches
+
+
+def make_model(args, shape, classes, device):
+    """This rank's replica on the device, made for `shape` images: what the loop calls and whose
+    state is saved. The same seed: the same start on every rank."""
+    raw_model = common.resnet(args.arch, classes, args.seed, channels=shape[0],
+                              image_size=shape[-1])
+    return raw_model.to(device, memory_format=memory_format(args))
+
+
+def resume_flags(args, shape, train_set_size):
+    """What a resume must match: the training flags and the data."""
+    return {**common.flags_of(training, args), "image_shape": shape,
+            "train_set_size": train_set_size}
+
+
+def memory_format(args):
+    if args.channels_last:
+        return torch.channels_last
+    return torch.contiguous_format
+
 
 # ---------------------------------------------------------------- training
-def train(args):
-    # DiLoCo: join the process group. torchrun sets these variables (a plain `python` run: a group of one).
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nccl = torch.cuda.is_available() and dist.is_nccl_available()   # DiLoCo: NCCL between GPUs, where torch has it
-    backend = args.backend or ("nccl" if nccl else "gloo")   # else gloo (CPUs; GPUs where torch has no NCCL)
-    device = common.pick_device(backend)   # DiLoCo: one GPU per process
-    dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # DiLoCo: all ranks
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
-    stop = common.StopSignal()   # DiLoCo: SIGTERM/SIGUSR1 stop every rank at the same step, from now on
-    master = rank == 0   # DiLoCo: rank 0 alone prints and writes
-    if master:
-        os.makedirs(args.out, exist_ok=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)   # now, not at the first save
-    train_set, test_set, classes = common.load_on_every_rank(lambda: datasets(args), world_size)   # DiLoCo: per node
-    shape = tuple(train_set[0][0].shape)   # (channels, height, width): the model is made for it
-    rank_batch = common.check_batch(args.batch_size, world_size, len(train_set), rank, args.train_samples)
-    train_batches, sampler = common.train_loader(train_set, args.batch_size, args.seed, rank, world_size, device,
-                                                 args.workers)   # DiLoCo: this rank's 1/W of each global batch
-    test_batches = common.test_loader(test_set, rank, world_size, device, args.workers)
-    steps_per_epoch = len(train_set) // args.batch_size
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-
-    net = common.resnet(args.arch, classes, args.seed, channels=shape[0], image_size=shape[-1])
-    net = net.to(device, memory_format=memory_format)
-    lr = args.lr * args.batch_size / 256   # --lr is for 256 samples of the global batch
-    optimizer, scheduler = common.sgd_recipe(net, lr, args.weight_decay, round(args.warmup_epochs * steps_per_epoch),
-                                             steps_per_epoch * args.epochs)   # inner, per rank
-    outer = Outer(net, args.outer_lr, args.outer_momentum)   # the same seed: the same start on every rank
-    devices = common.every_rank(str(device), world_size)   # each rank's own
-    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = {**vars(args), "image shape": shape, "training samples": len(train_set)}   # a resume must match them
-    position = {"epoch": 1, "batch_in_epoch": 0, "step": 0, "totals": [0.0] * 3, "seconds": 0.0}
-    state = None
-    if args.resume:
-        state = load_checkpoint(args.checkpoint, net, optimizer, scheduler, outer, rank, world_size)
-    last_step = steps_per_epoch * args.epochs   # a round ends every H steps, and here
-    final_step = min(args.max_steps or math.inf, last_step)
-    if state:
-        position = common.resume_position(state, flags, args.checkpoint, steps_per_epoch, final_step, master)
-        if position is None:   # nothing left to train
-            return outer.shared_state(net)
-        metrics["epochs"] = state["history"]
-    def save(step, epoch, batch_in_epoch, totals, seconds):   # DiLoCo: every rank sends its replica; rank 0 writes
-        partial = totals.clone()
-        dist.all_reduce(partial)   # DiLoCo: every rank's sums so far in this epoch
-        here = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "step": step, "totals": partial.tolist(),
-                "seconds": seconds}
-        save_checkpoint(args.checkpoint, net, optimizer, scheduler, outer, here, flags, metrics["epochs"], rank,
-                        world_size)
-        if master:
-            where = common.position_text(epoch, batch_in_epoch, steps_per_epoch)   # "epoch 3 done" at its end
-            print(f"  checkpoint: step {step} ({where})", flush=True)
-    sent = collections.Counter()   # the bytes this rank hands to collectives in this run's steps (metrics.json)
-    if master:
-        print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} ({backend}), global "
-              f"batch {args.batch_size} = "
-              f"{world_size} x {rank_batch}, lr {lr:g} ({args.lr:g} x {args.batch_size}/256), cosine after "
-              f"{args.warmup_epochs:g} warm-up epochs; a sync every {args.local_steps} step(s): outer SGD lr "
-              f"{args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", flush=True)
-    step, start = position["step"], time.perf_counter()
-    for epoch in range(position["epoch"], args.epochs + 1):
-        done = position["batch_in_epoch"] if epoch == position["epoch"] else 0   # before a restart
-        sampler.set_epoch(epoch, start=done)   # a new order each epoch, the same on every rank
-        timer = common.Timer(device, already=position["seconds"] if done else 0.0)
-        totals = torch.tensor(position["totals"] if done and master else [0] * 3, device=device, dtype=torch.float64)
-        batch_in_epoch = done
-        for batch_in_epoch, (X, y) in enumerate(train_batches, done + 1):
-            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            train_step(net, optimizer, X, y.to(device, non_blocking=True), args.amp, totals)
-            scheduler.step()
-            step += 1
-            if step % args.local_steps == 0 or step == last_step:
-                outer.sync(net, world_size, sent)   # DiLoCo: the end of a round
-            signalled = stop.agreed() if step < final_step else None   # DiLoCo: one answer on all ranks
-            epoch_end = batch_in_epoch == steps_per_epoch   # then the checkpoint waits for the evaluation
-            every = args.checkpoint_every is not None and step % args.checkpoint_every == 0
-            if signalled or (not epoch_end and (every or step == final_step)):
-                save(step, epoch, batch_in_epoch, totals, timer())
-            if signalled:   # DiLoCo: every rank stops after this same step, the replicas written
-                if master:
-                    print(f"stopped by {signalled} at step {step}, checkpoint written; exit status 75 (not finished, "
-                          f"nothing failed): run again with --resume to go on from {args.checkpoint}", flush=True)
-                raise SystemExit(common.PREEMPTED)
-            if step == final_step:
-                break
-        seconds = timer()
-        dist.all_reduce(totals)   # DiLoCo: loss, hits and samples over all ranks
-        tested = evaluate_shared(test_batches, net, outer, device)
-        common.record_epoch(metrics, epoch, totals, seconds, tested, master)
-        if batch_in_epoch == steps_per_epoch:   # the epoch's end, evaluated: a checkpoint of the next one's start
-            save(step, epoch + 1, 0, torch.zeros(3, device=device, dtype=torch.float64), 0.0)
-        if step == final_step:
+def train_epoch(raw_model, optimizer, scheduler, outer, sent, batches, here, last_step, stop,
+                checkpoint, progress, args, device):
+    """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
+    run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
+    the stop's signal (None without one). A round ends every --local-steps steps and at the
+    training's last (`last_step`); no other step waits for another rank: it reads the stop vote
+    the step before started."""
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    # After a restart inside the epoch, rank 0 carries every rank's sums so far.
+    if here.batch_in_epoch and dist.get_rank() == 0:   # DiLoCo: rank 0's sums
+        sums = common.Sums.on(device, **here.sums)
+    timer = common.Timer(device, already=here.seconds)
+    signalled = None
+    for batch, (X, y) in enumerate(batches, here.batch_in_epoch + 1):
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
+        y = y.to(device, non_blocking=True)
+        train_step(raw_model, optimizer, X, y, args, sums)
+        # The learning rate of the next step.
+        scheduler.step()
+        here.batch_in_epoch, here.step = batch, here.step + 1
+        if here.step % args.local_steps == 0 or here.step == last_step:
+            outer.sync(raw_model, dist.get_world_size(), sent)   # DiLoCo: a round's end
+        if here.step == progress.final_step:
             break
+        # The last step's vote, which has arrived: no step waits for the others.
+        signalled, line = stop.vote(progress.asks())   # DiLoCo: one answer on every rank
+        if signalled:
+            break
+        if progress.due(here.step, line):
+            # DiLoCo: the epoch's sums over all ranks
+            progress.say(here, sums.total(), scheduler.get_last_lr()[0])
+        if checkpoint.due(here):
+            checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
+    seconds = timer()
+    if signalled or here.step == progress.final_step:
+        # The vote under way is left unread: the run stops, or ends, at this step.
+        stop.count()
+    else:
+        # The epoch's end, where every rank waits for the evaluation anyway: a stop noted in its
+        # last steps lands here, before the evaluation.
+        signalled = stop.agreed()   # DiLoCo: wait for every rank's vote
+    return sums, seconds, signalled
+
+
+def report_epoch(metrics, epoch, sums, seconds, tested, master):
+    """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
+    curves.png: a run stopped later keeps them."""
+    trained = sums.total()   # DiLoCo: summed over all ranks
+    record = common.epoch_record(epoch, trained, seconds, tested)
+    metrics["epochs"].append(record)
+    if master:
+        print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
+              f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+              f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+              f"{seconds:.1f} s", flush=True)
+        common.write_outputs(metrics)
+
+
+def train(args):
+    """The set-up, then the epochs, each evaluated and checkpointed. Returns the shared weights."""
+    rank, world_size, device, backend = join_the_group(args)   # DiLoCo: join the others
+    stop = common.StopSignal()   # DiLoCo: one stop for every rank
+    master = rank == 0   # DiLoCo: only rank 0 prints, writes
+    train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
+        args, rank, world_size, device)
+    shape = tuple(train_set[0][0].shape)
+    raw_model = make_model(args, shape, classes, device)
+    steps_per_epoch = len(train_set) // args.batch_size
+    last_step = steps_per_epoch * args.epochs
+    final_step = min(args.max_steps or math.inf, last_step)
+    optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
+    outer = Outer(raw_model, args.outer_lr, args.outer_momentum)
+    devices = common.every_rank(str(device), world_size)
+    metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
+    flags = resume_flags(args, shape, len(train_set))
+    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, outer, flags, metrics,
+                            steps_per_epoch)
+    here = checkpoint.resume(final_step) if args.resume else common.Position()
+    if here is None:
+        return outer.shared_state(raw_model)
+    if master:
+        print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
+              f"({backend}), global batch {args.batch_size} = {world_size} x "
+              f"{args.batch_size // world_size}, lr {optimizer.param_groups[0]['initial_lr']:g}, "
+              f"cosine after {args.warmup_epochs:g} warm-up epochs; a sync every "
+              f"{args.local_steps} step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
+              f"{args.outer_momentum:g}", flush=True)
+    sent, first_step, started = collections.Counter(), here.step, time.perf_counter()
+    progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
+    for epoch in range(here.epoch, args.epochs + 1):
+        sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DiLoCo: one order, new each epoch
+        sums, seconds, signalled = train_epoch(raw_model, optimizer, scheduler, outer, sent,
+                                               train_batches, here, last_step, stop, checkpoint,
+                                               progress, args, device)
+        # A checkpoint inside the epoch: at a stop, or at the run's last step.
+        if signalled or here.batch_in_epoch < steps_per_epoch:
+            checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
+        if signalled:
+            break
+        tested = evaluate(raw_model, outer, test_batches, device)
+        report_epoch(metrics, epoch, sums, seconds, tested, master)
+        if here.batch_in_epoch == steps_per_epoch:
+            # The epoch's end, evaluated: a checkpoint of the next one's start.
+            here = common.Position(epoch + 1, 0, here.step)
+            checkpoint.save(here)
+        if here.step == final_step:
+            break
+    if signalled:
+        common.say_stopped(signalled, here.step, args.checkpoint, master)
+        raise SystemExit(common.PREEMPTED)   # DiLoCo: every rank stops here
+    # DiLoCo: every rank's peak GPU memory
+    metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
-        if step % args.local_steps and step != last_step:
-            print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
-                  f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
-        common.finish(metrics, step, time.perf_counter() - start, outer.shared_state(net),
-                      {k: v / max(1, step - position["step"]) for k, v in sent.items()})   # per step of this run
-    return outer.shared_state(net)
+        say_inside_round(here.step, last_step, args)
+        seconds = time.perf_counter() - started
+        sent = bytes_sent_per_step(sent, here.step - first_step)
+        common.finish(metrics, here.step, seconds, outer.shared_state(raw_model), sent)
+    return outer.shared_state(raw_model)
 
-# ---------------------------------------------------------------- command line
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=common.positive_int, default=5, help="passes over the training set")
-    p.add_argument("--batch-size", type=common.positive_int, default=256, help="global batch, over all ranks")
-    p.add_argument("--lr", type=common.positive_float, default=0.05, help="for 256 samples, scaled to --batch-size")
-    p.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
-                   help="raise the learning rate linearly from ~0 over these epochs")
-    p.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4, help="on weights, not biases or BN")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the augmentation")
-    p.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images per class, or with "
-                   "Fashion-MNIST (FashionMNIST/raw/); default: ./data, where Fashion-MNIST is downloaded")
-    p.add_argument("--arch", default="resnet18", help="a torchvision ResNet (resnet18, resnet50, ...)")
-    p.add_argument("--image-size", type=common.positive_int, default=224, help="image folders: resized, cropped to it")
-    p.add_argument("--workers", type=common.non_negative_int, default=2, help="DataLoader's (not for data in memory)")
-    p.add_argument("--no-augment", action="store_true", help="image folders: no random crop and flip")
-    p.add_argument("--train-samples", type=common.positive_int, help="only N training images")
-    p.add_argument("--test-samples", type=common.positive_int, help="only N test images")
-    p.add_argument("--max-steps", type=common.positive_int, help="stop after this many optimizer steps")
-    p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision (BatchNorm in float32)")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory layout (faster convolutions on GPUs)")
-    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA (one process per GPU), "
-                   "else gloo; gloo on GPUs lets several ranks share one")
-    p.add_argument("--local-steps", type=common.positive_int, default=10,
-                   help="H: inner steps each rank takes alone between two syncs (1: every step, as DDP)")
-    p.add_argument("--outer-lr", type=common.positive_float, default=0.7,
-                   help="the outer SGD's learning rate, on the averaged pseudo-gradient")
-    p.add_argument("--outer-momentum", type=common.non_negative_float, default=0.9,
-                   help="the outer SGD's Nesterov momentum (0: none)")
-    p.add_argument("--checkpoint", help="checkpoint written by rank 0 after every epoch, every --checkpoint-every "
-                                        "steps, where the run stops and on SIGTERM/SIGUSR1 "
-                                        "(default: <out>/checkpoint.pt)")
-    p.add_argument("--checkpoint-every", type=common.positive_int, help="also every N steps, inside epochs and rounds")
-    p.add_argument("--resume", action="store_true",
-                   help="go on from --checkpoint (as rank 0 sees it), mid-round too; without one, start at step 0")
-    p.add_argument("--out", default="runs/diloco_resnet", help="folder for metrics.json, curves.png and model.pt")
-    args = p.parse_args(argv)
-    args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
-    return args
 
-@record   # DiLoCo: an error's traceback goes to torchrun's error file, and its summary names the rank
+def say_inside_round(step, last_step, args):
+    """A note when the run ends inside a round: model.pt holds the shared weights of the last
+    sync."""
+    if step % args.local_steps and step != last_step:
+        print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
+              f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
+
+
+# DiLoCo: an error's traceback goes to torchrun's error file, and its summary names the rank.
+@record
 def main(argv=None):
     args = parse_args(argv)
-    common.default_to_one_process()   # plain `python diloco_resnet.py`: a group of one
-    with common.leaving_the_group():   # DiLoCo: after the run, a stop or an error
+    # A plain `python diloco_resnet.py`: a group of one.
+    common.default_to_one_process()
+    with common.leaving_the_group():   # DiLoCo: leave it at the end
         return train(args)
+
 
 if __name__ == "__main__":
     main()

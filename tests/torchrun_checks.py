@@ -74,8 +74,11 @@ def fsdp_load(checkpoint, out):
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
     other = common.resnet("resnet18", 10, 1, channels=1, image_size=28)   # other weights than those saved
     model = fsdp_resnet.shard(other, mesh, amp=False)
-    optimizer, scheduler = common.sgd_recipe(model, 0.1, 5e-4, 0, 1)
-    fsdp_resnet.load_checkpoint(checkpoint, model, optimizer, scheduler, rank, world_size)
+    args = fsdp_resnet.parse_args(["--checkpoint", checkpoint])
+    optimizer, scheduler = fsdp_resnet.make_optimizer(model, args, steps_per_epoch=1)
+    saved = fsdp_resnet.Checkpoint(args, model, optimizer, scheduler, None, None, steps_per_epoch=1)
+    folder = fsdp_resnet.newest_checkpoint(checkpoint)
+    assert saved.load_shards(folder, torch.load(os.path.join(folder, "progress.pt"))) is None
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(state, out)
