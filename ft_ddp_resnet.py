@@ -213,22 +213,25 @@ def exchange(model, grads, flat_sums, holds_first, count):
 
 @torch.no_grad()
 def evaluate(model, batches, device):
-    """The test accuracy and the number of test images. Every member evaluates the whole test set
-    alike, alone: a collective here could fail with a member."""
+    """The test loss (plain cross-entropy), the test accuracy and the number of test images. Every
+    member evaluates the whole test set alike, alone: a collective here could fail with a member."""
     model.eval()
-    sums = common.Sums.on(device, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
-        sums["correct"] += (model(X).argmax(1) == y).sum()
+        logits = model(X)
+        sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
+        sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     model.train()
     # This member's own sums, not their total() over the group.
-    correct, samples = [value.item() for value in sums.values()]
-    return {"test_acc": correct / samples, "test_count": round(samples)}
+    loss, correct, samples = [value.item() for value in sums.values()]
+    return {"test_loss": loss / samples, "test_acc": correct / samples,
+            "test_count": round(samples)}
 
 
 # An epoch's record in metrics.json, as recover() sends it: a row of numbers.
-EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "test_count", "samples",
-              "samples_per_s", "seconds")
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_count",
+              "samples", "samples_per_s", "seconds")
 
 
 @dataclasses.dataclass
@@ -463,9 +466,9 @@ class Member:
             record = common.epoch_record(epoch, progress.sums, progress.seconds, tested)
             progress.history.append(record)
             print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-                  f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-                  f"{record['samples_per_s']:,.0f} samples/s  {progress.seconds:.1f} s",
-                  flush=True)
+                  f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+                  f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+                  f"{progress.seconds:.1f} s", flush=True)
             # The next epoch's sums and seconds start from zero.
             self.progress = Progress(progress.step, history=progress.history)
             self.timer = common.Timer(self.device)

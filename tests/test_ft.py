@@ -86,8 +86,9 @@ def finished(run, *names):
 @once
 def uninterrupted(tmp_path_factory):
     """3 members, and 2, without failures: the same weights, bit for bit (float64 sums do not depend
-    on who computed which micro-batch), which every test below ends with."""
-    weights = {}
+    on who computed which micro-batch), which every test below ends with; and so the same test loss
+    in every member's metrics.json (each evaluates the whole test set alone)."""
+    weights, test_losses = {}, set()
     for n in (3, 2):
         with Run(tmp_path_factory.mktemp(f"ft{n}")) as run:
             names = [f"m{i}" for i in range(n)]
@@ -95,7 +96,12 @@ def uninterrupted(tmp_path_factory):
                 run.member(name, "--min-members", str(n))
             weights[n] = finished(run, *names)
             assert json.load(open(run.tmp / "m0" / "metrics.json"))["steps"] == 6
+            for name in names:
+                epochs = json.load(open(run.tmp / name / "metrics.json"))["epochs"]
+                test_losses |= {epoch["test_loss"] for epoch in epochs}
+                assert f"test loss {epochs[-1]['test_loss']:.4f}  test acc" in run.log(name)
     assert max_difference(weights[3], weights[2]) == 0
+    assert len(test_losses) == 1 and 0 < test_losses.pop() < 10, test_losses
     return weights[3]
 
 
