@@ -448,7 +448,8 @@ class Member:
 
     def apply(self, step, step_sums):
         """The committed step: the update, the progress; at an epoch's end its evaluation, the same
-        on every member, and its line; then the checkpoint, when it is due."""
+        on every member, its line, metrics.json and curves.png; then the checkpoint, when it is
+        due."""
         self.committed_statistics = {}
         self.optimizer.step()
         self.scheduler.step()
@@ -469,6 +470,9 @@ class Member:
                   f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
                   f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
                   f"{progress.seconds:.1f} s", flush=True)
+            # Written now: a member that stops, or is killed, later keeps its history.
+            self.metrics.update(generations=self.generations, epochs=progress.history)
+            common.write_outputs(self.metrics)
             # The next epoch's sums and seconds start from zero.
             self.progress = Progress(progress.step, history=progress.history)
             self.timer = common.Timer(self.device)
