@@ -30,7 +30,7 @@ SAME_IN_EVERY_MEMBER = ("batch_size", "micro_batch", "seed", "train_samples", "e
 NOT_FLAGS = {"torch": "torch version", "threads": "OMP_NUM_THREADS", "data": "data"}
 # A --resume may change these; it refuses a checkpoint written with other values of the rest.
 MAY_CHANGE_ON_RESUME = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
-                        "init_timeout", "data_dir", "test_samples", "min_members")
+                        "init_timeout", "data_dir", "test_samples", "min_members", "print_every")
 
 
 def address(text):
@@ -70,6 +70,8 @@ member_parser.add_argument("--min-members", type=common.positive_int, default=1,
                            help="the first step waits for this many")
 member_parser.add_argument("--init-timeout", type=common.positive_float, default=300,
                            help="seconds to wait to join")
+member_parser.add_argument("--print-every", type=common.every, default="10s", help="a progress "
+                           "line every N steps (100) or N seconds (10s, the default); 0: none")
 member_parser.add_argument("--out", default="runs/ft_ddp_resnet",
                            help="folder for metrics.json, curves.png and model.pt")
 member_parser.add_argument("--checkpoint", help="this member's (default: <out>/checkpoint.pt), "
@@ -342,7 +344,7 @@ class Member:
         signal.signal(signal.SIGTERM, lambda signum, frame: self.stop.update(
             signal="SIGTERM", at=time.monotonic()))
         self.join()
-        self.timer = common.Timer(self.device, already=self.progress.seconds)
+        self.start_clocks()
         while self.progress.step < self.final_step and not self.stop["signal"]:
             self.attempt_step()
         if self.progress.step < self.final_step:
@@ -401,9 +403,16 @@ class Member:
             # FT: the learning rate of that step
             self.scheduler = LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
                                       last_epoch=recovered.step - 1)
-            self.timer = common.Timer(self.device, already=recovered.seconds)
+            self.start_clocks()
             print(f"{self.name}: recovered live at step {recovered.step}", flush=True)
         return problem
+
+    def start_clocks(self):
+        """The epoch's timer, and the progress line's clock, which counts from this step."""
+        self.timer = common.Timer(self.device, already=self.progress.seconds)
+        # Each member prints its own line, from its own clock (master: asks() reads this one's).
+        self.progress_line = common.Progress(self.args.print_every, self.progress.step,
+                                             self.final_step, self.args.batch_size, master=True)
 
     def new_group(self, quorum):
         """FT: a new membership, a new group (none is repaired), on keys of its own. It is made in a
@@ -447,9 +456,9 @@ class Member:
             made["failure"] = failure(e, started)
 
     def apply(self, step, step_sums):
-        """The committed step: the update, the progress; at an epoch's end its evaluation, the same
-        on every member, its line, metrics.json and curves.png; then the checkpoint, when it is
-        due."""
+        """The committed step: the update, the progress and, when due, the progress line; at an
+        epoch's end its evaluation, the same on every member, its line, metrics.json and curves.png;
+        then the checkpoint, when it is due."""
         self.committed_statistics = {}
         self.optimizer.step()
         self.scheduler.step()
@@ -461,8 +470,13 @@ class Member:
         progress.step = step + 1
         progress.sums = {k: progress.sums[k] + step_sums[k] for k in SUMS}
         progress.seconds = self.timer()
+        epoch = step // self.steps_per_epoch + 1
+        line = self.progress_line
+        # The step's allreduce brought every member's sums: the line waits for no one.
+        if progress.step < self.final_step and line.due(progress.step, line.asks()):
+            line.say(common.Position(epoch, step=progress.step), progress.sums,
+                     self.scheduler.get_last_lr()[0])
         if progress.step % self.steps_per_epoch == 0 or progress.step == self.final_step:
-            epoch = step // self.steps_per_epoch + 1
             tested = evaluate(self.model, self.test_batches, self.device)
             record = common.epoch_record(epoch, progress.sums, progress.seconds, tested)
             progress.history.append(record)

@@ -138,6 +138,36 @@ def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uni
                                       "to train"), run.log("m2")
 
 
+PROGRESS = re.compile(r"^  step +(\d+)/(\d+)  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr \S+  [\d,]+ "
+                      r"samples/s  \d+:\d\d spent, \d+:\d\d left$", re.M)
+
+
+def test_each_member_prints_progress_at_the_steps_asked_and_a_killed_one_keeps_its_history(tmp_path):
+    """2 members, 2 epochs of 6 steps, --print-every 2; m1 killed in backward at step 8 (its 9th).
+    Each member prints its own lines after steps 2, 4, 6 and 8 (m0 also after 10; 12, the last,
+    ends with its epoch line), each once, with the epoch's loss and accuracy so far over both
+    members: the same in both (each computed other micro-batches), and at step 6 those of epoch 1's
+    record. m1's metrics.json and curves.png, written after epoch 1's evaluation, hold epoch 1: its
+    record is m0's but for the times."""
+    with Run(tmp_path, *PATIENT) as run:
+        flags = ("--min-members", "2", "--epochs", "2", "--print-every", "2")
+        run.member("m0", *flags)
+        run.member("m1", *flags, dies=("backward", 8))
+        assert run.wait("m1") == [-signal.SIGKILL]
+        finished(run, "m0")
+        lines = {name: PROGRESS.findall(run.log(name)) for name in ("m0", "m1")}
+        assert [line[:3] for line in lines["m0"]] == [
+            ("2", "12", "1"), ("4", "12", "1"), ("6", "12", "1"), ("8", "12", "2"), ("10", "12", "2")], run.log("m0")
+        assert lines["m1"] == lines["m0"][:4], run.log("m0") + run.log("m1")
+        m0, m1 = (json.load(open(tmp_path / name / "metrics.json"))["epochs"] for name in ("m0", "m1"))
+        assert lines["m0"][2][3:] == (f"{m0[0]['train_loss']:.4f}", f"{m0[0]['train_acc']:.4f}"), lines
+        times = ("seconds", "samples_per_s")
+        assert [e["epoch"] for e in m1] == [1] and (tmp_path / "m1" / "curves.png").exists(), m1
+        assert {k: v for k, v in m1[0].items() if k not in times} == {
+            k: v for k, v in m0[0].items() if k not in times}, (m0, m1)
+        assert not (tmp_path / "m1" / "model.pt").exists()
+
+
 def paused(run, names, until, what):
     """The named members stopped (SIGSTOP) until `until()` holds: a restarted member needs seconds to
     start, and the tiny run would be over before it joins. --member-timeout 60 keeps them members."""
