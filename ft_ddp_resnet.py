@@ -11,6 +11,11 @@ start any, anywhere, any time. One that fails leaves with a checkpoint (exit 75)
 through that loop; all do if the coordinator is lost. The optimizer and its schedule are in
 make_optimizer(). Then read in the order things happen: the step, the member, the coordinator,
 the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
+
+What a step waits for is the lesson here. The other pages' steps wait for nothing; a member's
+committed step waits three times, blocking: for its quorum (asked by its join or its last vote,
+sent once every live member has asked), for the allreduce, and for the verdict on its vote, a
+round trip to the coordinator.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, hmac, ipaddress, itertools, json
 import math, os, secrets, select, signal, socket, sys, threading, time, zlib
