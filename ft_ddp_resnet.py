@@ -11,6 +11,11 @@ start any, anywhere, any time. One that fails leaves with a checkpoint (exit 75)
 through that loop; all do if the coordinator is lost. The optimizer and its schedule are in
 make_optimizer(). Then read in the order things happen: the step, the member, the coordinator,
 the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
+
+What a step waits for is the lesson here. The other pages' steps wait for nothing; a member's
+committed step waits three times, blocking: for its quorum (asked by its join or its last vote,
+sent once every live member has asked), for the allreduce, and for the verdict on its vote, a
+round trip to the coordinator.
 """
 import argparse, contextlib, dataclasses, functools, hashlib, hmac, ipaddress, itertools, json
 import math, os, secrets, select, signal, socket, sys, threading, time, zlib
@@ -30,7 +35,7 @@ SAME_IN_EVERY_MEMBER = ("batch_size", "micro_batch", "seed", "train_samples", "e
 NOT_FLAGS = {"torch": "torch version", "threads": "OMP_NUM_THREADS", "data": "data"}
 # A --resume may change these; it refuses a checkpoint written with other values of the rest.
 MAY_CHANGE_ON_RESUME = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
-                        "init_timeout", "data_dir", "test_samples", "min_members")
+                        "init_timeout", "data_dir", "test_samples", "min_members", "print_every")
 
 
 def address(text):
@@ -70,6 +75,8 @@ member_parser.add_argument("--min-members", type=common.positive_int, default=1,
                            help="the first step waits for this many")
 member_parser.add_argument("--init-timeout", type=common.positive_float, default=300,
                            help="seconds to wait to join")
+member_parser.add_argument("--print-every", type=common.every, default="10s", help="a progress "
+                           "line every N steps (100) or N seconds (10s, the default); 0: none")
 member_parser.add_argument("--out", default="runs/ft_ddp_resnet",
                            help="folder for metrics.json, curves.png and model.pt")
 member_parser.add_argument("--checkpoint", help="this member's (default: <out>/checkpoint.pt), "
@@ -213,22 +220,25 @@ def exchange(model, grads, flat_sums, holds_first, count):
 
 @torch.no_grad()
 def evaluate(model, batches, device):
-    """The test accuracy and the number of test images. Every member evaluates the whole test set
-    alike, alone: a collective here could fail with a member."""
+    """The test loss (plain cross-entropy), the test accuracy and the number of test images. Every
+    member evaluates the whole test set alike, alone: a collective here could fail with a member."""
     model.eval()
-    sums = common.Sums.on(device, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
-        sums["correct"] += (model(X).argmax(1) == y).sum()
+        logits = model(X)
+        sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
+        sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     model.train()
     # This member's own sums, not their total() over the group.
-    correct, samples = [value.item() for value in sums.values()]
-    return {"test_acc": correct / samples, "test_count": round(samples)}
+    loss, correct, samples = [value.item() for value in sums.values()]
+    return {"test_loss": loss / samples, "test_acc": correct / samples,
+            "test_count": round(samples)}
 
 
 # An epoch's record in metrics.json, as recover() sends it: a row of numbers.
-EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_acc", "test_count", "samples",
-              "samples_per_s", "seconds")
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "test_count",
+              "samples", "samples_per_s", "seconds")
 
 
 @dataclasses.dataclass
@@ -339,7 +349,7 @@ class Member:
         signal.signal(signal.SIGTERM, lambda signum, frame: self.stop.update(
             signal="SIGTERM", at=time.monotonic()))
         self.join()
-        self.timer = common.Timer(self.device, already=self.progress.seconds)
+        self.start_clocks()
         while self.progress.step < self.final_step and not self.stop["signal"]:
             self.attempt_step()
         if self.progress.step < self.final_step:
@@ -398,9 +408,16 @@ class Member:
             # FT: the learning rate of that step
             self.scheduler = LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
                                       last_epoch=recovered.step - 1)
-            self.timer = common.Timer(self.device, already=recovered.seconds)
+            self.start_clocks()
             print(f"{self.name}: recovered live at step {recovered.step}", flush=True)
         return problem
+
+    def start_clocks(self):
+        """The epoch's timer, and the progress line's clock, which counts from this step."""
+        self.timer = common.Timer(self.device, already=self.progress.seconds)
+        # Each member prints its own line, from its own clock (master: asks() reads this one's).
+        self.progress_line = common.Progress(self.args.print_every, self.progress.step,
+                                             self.final_step, self.args.batch_size, master=True)
 
     def new_group(self, quorum):
         """FT: a new membership, a new group (none is repaired), on keys of its own. It is made in a
@@ -444,8 +461,9 @@ class Member:
             made["failure"] = failure(e, started)
 
     def apply(self, step, step_sums):
-        """The committed step: the update, the progress; at an epoch's end its evaluation, the same
-        on every member, and its line; then the checkpoint, when it is due."""
+        """The committed step: the update, the progress and, when due, the progress line; at an
+        epoch's end its evaluation, the same on every member, its line, metrics.json and curves.png;
+        then the checkpoint, when it is due."""
         self.committed_statistics = {}
         self.optimizer.step()
         self.scheduler.step()
@@ -457,15 +475,23 @@ class Member:
         progress.step = step + 1
         progress.sums = {k: progress.sums[k] + step_sums[k] for k in SUMS}
         progress.seconds = self.timer()
+        epoch = step // self.steps_per_epoch + 1
+        line = self.progress_line
+        # The step's allreduce brought every member's sums: the line waits for no one.
+        if progress.step < self.final_step and line.due(progress.step, line.asks()):
+            line.say(common.Position(epoch, step=progress.step), progress.sums,
+                     self.scheduler.get_last_lr()[0])
         if progress.step % self.steps_per_epoch == 0 or progress.step == self.final_step:
-            epoch = step // self.steps_per_epoch + 1
             tested = evaluate(self.model, self.test_batches, self.device)
             record = common.epoch_record(epoch, progress.sums, progress.seconds, tested)
             progress.history.append(record)
             print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-                  f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-                  f"{record['samples_per_s']:,.0f} samples/s  {progress.seconds:.1f} s",
-                  flush=True)
+                  f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+                  f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+                  f"{progress.seconds:.1f} s", flush=True)
+            # Written now: a member that stops, or is killed, later keeps its history.
+            self.metrics.update(generations=self.generations, epochs=progress.history)
+            common.write_outputs(self.metrics)
             # The next epoch's sums and seconds start from zero.
             self.progress = Progress(progress.step, history=progress.history)
             self.timer = common.Timer(self.device)
@@ -491,6 +517,11 @@ class Member:
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self.progress = Progress(**saved["progress"])
+            # Records without a key recover() sends (test_loss) would fail later, with a peer.
+            lacking = {k for record in self.progress.history for k in EPOCH_KEYS if k not in record}
+            if lacking:
+                raise ValueError(f"its epochs' records lack {', '.join(sorted(lacking))}: it was "
+                                 f"written by an older version of this script")
             self.run_id = saved["run"]
         except Exception as e:
             raise SystemExit(f"error: cannot resume from {path}: "

@@ -86,8 +86,9 @@ def finished(run, *names):
 @once
 def uninterrupted(tmp_path_factory):
     """3 members, and 2, without failures: the same weights, bit for bit (float64 sums do not depend
-    on who computed which micro-batch), which every test below ends with."""
-    weights = {}
+    on who computed which micro-batch), which every test below ends with; and so the same test loss
+    in every member's metrics.json (each evaluates the whole test set alone)."""
+    weights, test_losses = {}, set()
     for n in (3, 2):
         with Run(tmp_path_factory.mktemp(f"ft{n}")) as run:
             names = [f"m{i}" for i in range(n)]
@@ -95,7 +96,12 @@ def uninterrupted(tmp_path_factory):
                 run.member(name, "--min-members", str(n))
             weights[n] = finished(run, *names)
             assert json.load(open(run.tmp / "m0" / "metrics.json"))["steps"] == 6
+            for name in names:
+                epochs = json.load(open(run.tmp / name / "metrics.json"))["epochs"]
+                test_losses |= {epoch["test_loss"] for epoch in epochs}
+                assert f"test loss {epochs[-1]['test_loss']:.4f}  test acc" in run.log(name)
     assert max_difference(weights[3], weights[2]) == 0
+    assert len(test_losses) == 1 and 0 < test_losses.pop() < 10, test_losses
     return weights[3]
 
 
@@ -130,6 +136,36 @@ def test_a_member_killed_mid_step_leaves_the_others_the_same_training(where, uni
         assert run.wait("m2") == [0], run.log("m2")
         assert run.said("m2")[-1] == ("this member: the run is over: its members finished step 6; nothing is left "
                                       "to train"), run.log("m2")
+
+
+PROGRESS = re.compile(r"^  step +(\d+)/(\d+)  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr \S+  [\d,]+ "
+                      r"samples/s  \d+:\d\d spent, \d+:\d\d left$", re.M)
+
+
+def test_each_member_prints_progress_at_the_steps_asked_and_a_killed_one_keeps_its_history(tmp_path):
+    """2 members, 2 epochs of 6 steps, --print-every 2; m1 killed in backward at step 8 (its 9th).
+    Each member prints its own lines after steps 2, 4, 6 and 8 (m0 also after 10; 12, the last,
+    ends with its epoch line), each once, with the epoch's loss and accuracy so far over both
+    members: the same in both (each computed other micro-batches), and at step 6 those of epoch 1's
+    record. m1's metrics.json and curves.png, written after epoch 1's evaluation, hold epoch 1: its
+    record is m0's but for the times."""
+    with Run(tmp_path, *PATIENT) as run:
+        flags = ("--min-members", "2", "--epochs", "2", "--print-every", "2")
+        run.member("m0", *flags)
+        run.member("m1", *flags, dies=("backward", 8))
+        assert run.wait("m1") == [-signal.SIGKILL]
+        finished(run, "m0")
+        lines = {name: PROGRESS.findall(run.log(name)) for name in ("m0", "m1")}
+        assert [line[:3] for line in lines["m0"]] == [
+            ("2", "12", "1"), ("4", "12", "1"), ("6", "12", "1"), ("8", "12", "2"), ("10", "12", "2")], run.log("m0")
+        assert lines["m1"] == lines["m0"][:4], run.log("m0") + run.log("m1")
+        m0, m1 = (json.load(open(tmp_path / name / "metrics.json"))["epochs"] for name in ("m0", "m1"))
+        assert lines["m0"][2][3:] == (f"{m0[0]['train_loss']:.4f}", f"{m0[0]['train_acc']:.4f}"), lines
+        times = ("seconds", "samples_per_s")
+        assert [e["epoch"] for e in m1] == [1] and (tmp_path / "m1" / "curves.png").exists(), m1
+        assert {k: v for k, v in m1[0].items() if k not in times} == {
+            k: v for k, v in m0[0].items() if k not in times}, (m0, m1)
+        assert not (tmp_path / "m1" / "model.pt").exists()
 
 
 def paused(run, names, until, what):
