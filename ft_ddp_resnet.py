@@ -517,11 +517,6 @@ class Member:
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self.progress = Progress(**saved["progress"])
-            # Records without a key recover() sends (test_loss) would fail later, with a peer.
-            lacking = {k for record in self.progress.history for k in EPOCH_KEYS if k not in record}
-            if lacking:
-                raise ValueError(f"its epochs' records lack {', '.join(sorted(lacking))}: it was "
-                                 f"written by an older version of this script")
             self.run_id = saved["run"]
         except Exception as e:
             raise SystemExit(f"error: cannot resume from {path}: "
