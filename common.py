@@ -73,9 +73,9 @@ def one_rank_per_gpu(device):
 
 def attempt_store():
     """torchrun's store (env://), with this attempt's keys apart from the last attempt's, whose
-    addresses are gone: without it a restart under torchrun --max-restarts fails to connect (the
-    killed-worker test). Each node's agent counts its restarts alone (pytorch#135712): on several
-    nodes, let the scheduler restart a job."""
+    addresses are gone: without it, a restart under torchrun --max-restarts connects to them and
+    fails. Each node's agent counts its restarts alone (pytorch#135712): on several nodes, let the
+    scheduler restart a job."""
     store, _, _ = next(rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
@@ -86,14 +86,15 @@ def leaving_the_group():
     try:
         yield
     except BaseException as e:
-        # Its frames hold the DDP wrap, and the loaders: freed only after the group, the wrap
-        # could hang (torch 2.9), and the loaders' workers would outlive the run.
+        # Its frames hold the DDP wrap and the loaders. Cleared now, the loaders end their workers
+        # at once: left to the garbage collector, torch's queues close before the workers are
+        # told, and the exit waits for them for ever (they ignore SIGTERM). Freed only after the
+        # group, the wrap could hang (torch 2.9).
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
         # A group still alive at the interpreter's exit can abort it. Its last users go first:
-        # a DDP wrap is a cycle of references, which only the collector frees, and a loader
-        # freed ends its workers, which ignore SIGTERM.
+        # a DDP wrap is a cycle of references, which only the collector frees.
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
