@@ -15,8 +15,9 @@ given for 256 samples and scaled with the global batch, warmed up, then decayed 
 (Goyal et al. 2017).
 
 SIGTERM or SIGUSR1 stops every rank after the same step, with a checkpoint. --resume goes on from
-it exactly when BatchNorm sees the same batches (the same ranks x --accum-steps), and says so when
-it goes on close to it instead. Copy it with common.py. Lines only DDP needs are tagged `# DDP:`.
+it: the same training as a run never stopped when BatchNorm normalises batches of the same size
+(the same ranks x --accum-steps); with other ranks, a close one, and the run says so. Copy it with
+common.py. Lines only DDP needs are tagged `# DDP:`.
 """
 import argparse, contextlib, dataclasses, math, os, time, warnings
 import torch
@@ -115,8 +116,10 @@ def parse_args(argv=None):
 def datasets(args):
     """(training set, test set, number of classes): replace this body with your own Datasets. Any
     whose items are (image tensor [C, H, W], label) will do: the model is made for their images'
-    shape, and the loader draws their random numbers (torch's) from (seed, epoch, index), so that
-    a resume is exact."""
+    shape. It runs on every rank, and each must make the same sets: seed whatever they draw when
+    made (torch.Generator().manual_seed(args.seed)). What an item draws as it is read (a random
+    crop, with torch's generator) the loader seeds from (seed, epoch, index), so that a resume is
+    exact."""
     if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
         return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     size = args.image_size
@@ -216,8 +219,8 @@ class Checkpoint:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
 
     def due(self, here):
-        """Every --checkpoint-every steps; at an epoch's end the checkpoint waits for its
-        evaluation."""
+        """Every --checkpoint-every steps inside an epoch: the epoch's last step has its checkpoint
+        after the evaluation."""
         inside = here.batch_in_epoch < self.steps_per_epoch
         return self.every is not None and here.step % self.every == 0 and inside
 
@@ -255,11 +258,17 @@ class Checkpoint:
             raise SystemExit(state[0] if self.master else 1)
         if state[0] is None:
             return common.Position()
-        self.optimizer.load_state_dict(state[0]["optimizer"])
-        self.scheduler.load_state_dict(state[0]["scheduler"])
-        self.metrics["epochs"] = state[0]["history"]
-        return common.resume_position(state[0], self.flags, self.path, self.steps_per_epoch,
+        here = common.resume_position(state[0], self.flags, self.path, self.steps_per_epoch,
                                       final_step, self.master)
+        try:
+            self.optimizer.load_state_dict(state[0]["optimizer"])
+            self.scheduler.load_state_dict(state[0]["scheduler"])
+        except (KeyError, ValueError) as e:
+            # Another optimizer or schedule than the one that wrote it.
+            raise SystemExit(f"error: cannot resume from {self.path}: its optimizer or schedule "
+                             f"is not this one's ({common.one_line(e)})" if self.master else 1)
+        self.metrics["epochs"] = state[0]["history"]
+        return here
 
 
 # ---------------------------------------------------------------- the wrap, and what it sends
@@ -379,38 +388,41 @@ def memory_format(args):
 
 
 # ---------------------------------------------------------------- training
-def train_epoch(model, optimizer, scheduler, batches, here, stop, checkpoint, progress, args,
-                device):
+def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, checkpoint, progress,
+                args, device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
-    the stop's signal (None without one). A step waits for no other rank: it reads the stop vote
-    the step before started."""
+    the stop's signal (None without one). No step waits for another rank: the stop vote a step
+    starts is read a step later, when it has long arrived."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
     timer = common.Timer(device, already=here.seconds)
     signalled = None
-    for batch, (X, y) in enumerate(batches, here.batch_in_epoch + 1):
+    for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
+        lr = scheduler.get_last_lr()[0]
         train_step(model, optimizer, X, y, args, sums)
         # The learning rate of the next step.
         scheduler.step()
-        here.batch_in_epoch, here.step = batch, here.step + 1
-        if here.step == progress.final_step:
+        here.batch_in_epoch += 1
+        here.step += 1
+        if here.step == final_step:
             break
-        # The last step's vote, which has arrived: no step waits for the others.
+        # The last step's vote, which has arrived: a stop, or a progress line, on every rank.
         signalled, line = stop.vote(progress.asks())   # DDP: one answer on every rank
         if signalled:
             break
         if progress.due(here.step, line):
-            # DDP: the epoch's sums over all ranks
-            progress.say(here, sums.total(), scheduler.get_last_lr()[0])
+            # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
+            # as common.Progress.say writes it.
+            progress.say(here, sums.total(), lr)   # DDP: the sums over all ranks
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
-    if signalled or here.step == progress.final_step:
+    if signalled or here.step == final_step:
         # The vote under way is left unread: the run stops, or ends, at this step.
         stop.count()
     else:
@@ -453,21 +465,21 @@ def train(args):
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return raw_model
-    model, powersgd = wrap(raw_model, args, device, backend, here.step > 0)   # DDP: the wrap
+    model, powersgd = wrap(raw_model, args, device, backend, resumed=here.step > 0)   # DDP: wrap
     eval_model = raw_model
     if args.compile:
         model, eval_model = torch.compile(model), torch.compile(raw_model)
     if master:
         print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
               f"({backend}), global batch {args.batch_size} = {world_size} x "
-              f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), lr "
-              f"{optimizer.param_groups[0]['initial_lr']:g}, cosine after {args.warmup_epochs:g} "
-              f"warm-up epochs", flush=True)
+              f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), "
+              f"{type(optimizer).__name__} at lr {optimizer.param_groups[0]['initial_lr']:g}",
+              flush=True)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DDP: one order, new each epoch
         sums, seconds, signalled = train_epoch(model, optimizer, scheduler, train_batches, here,
-                                               stop, checkpoint, progress, args, device)
+                                               final_step, stop, checkpoint, progress, args, device)
         # A checkpoint inside the epoch: at a stop, or at the run's last step.
         if signalled or here.batch_in_epoch < steps_per_epoch:
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
