@@ -83,15 +83,18 @@ def train_step(model, optimizer, X, y, sums):
 
 @torch.no_grad()
 def evaluate(raw_model, batches, device):
-    """The test accuracy over all ranks, each test image counted once, and that count."""
-    sums = common.Sums.on(device, correct=0, samples=0)
+    """The test loss (plain cross-entropy) and accuracy over all ranks, each test image counted
+    once, and that count."""
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
         y = y.to(device)
         logits = raw_model(X.to(device))
+        sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     tested = sums.total()   # DDP: summed over all ranks
-    return {"test_acc": tested["correct"] / tested["samples"],
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"],
             "test_count": round(tested["samples"])}
 
 
@@ -142,10 +145,13 @@ def train(args):
         trained = sums.total()   # DDP: summed over all ranks
         record = common.epoch_record(epoch, trained, seconds, tested)
         metrics["epochs"].append(record)
+        # Also metrics.json and curves.png, after every epoch: a run cut short keeps them.
         if master:
             print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-                  f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-                  f"{record['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+                  f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+                  f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+                  f"{seconds:.1f} s", flush=True)
+            common.write_outputs(metrics)
         if step == args.max_steps:
             break
     if master:

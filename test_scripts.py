@@ -20,8 +20,8 @@ import scratch_lenet
 import scratch_ring
 from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok,
-                     assert_same_weights, epoch_batches, fashion_resnet, free_port, images_counted, load_model,
-                     resnet_reference, run, scratch_ring_trains_like_one_device)
+                     assert_same_weights, assert_toy_evaluated_once, epoch_batches, fashion_resnet, free_port,
+                     images_counted, load_model, resnet_reference, run, scratch_ring_trains_like_one_device)
 from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
@@ -188,11 +188,14 @@ def test_evaluation_counts_on_the_models_device(world_size):
 
 
 def test_accuracy_counts_exactly_past_float32s_integers():
-    """2^24 + 1 test images, one of them wrong: float32 would count 2^24 of 2^24 (its next integer is 2^24 + 2)."""
+    """2^24 + 1 test images, one of them wrong: float32 would count 2^24 of 2^24 (its next integer is 2^24 + 2). The
+    loss: log(1 + e) for the wrong one, log(1 + 1/e) for the others."""
     n = 2**24 + 1
     X, y = torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)
     X[:, 0], y[0] = 1, 1
-    assert ddp_toy.evaluate(lambda X: X, [(X, y)], torch.device("cpu")) == {"test_acc": (n - 1) / n, "test_count": n}
+    tested = ddp_toy.evaluate(lambda X: X, [(X, y)], torch.device("cpu"))
+    loss = (math.log1p(math.e) + (n - 1) * math.log1p(1 / math.e)) / n
+    assert tested == {"test_loss": pytest.approx(loss, rel=1e-6), "test_acc": (n - 1) / n, "test_count": n}
 
 
 GPU_RESNET = ["--train-samples", "32", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--data-dir",
@@ -487,28 +490,24 @@ def test_overlap_sends_before_backward_ends():
 @pytest.mark.parametrize("launch", [["python", "ddp_toy.py", "--world-size", "2"],
                                     ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_toy.py"]])
 def test_ddp_toy_any_world_size_trains_like_one_rank(launch, toy_one_rank, tmp_path):
-    """2 ranks (1: the fixture; 3: the test below); each epoch's evaluation counts the 301 test images once."""
+    """2 ranks (1: the fixture; 3: the test below); each epoch's evaluation counts the 301 test images once, the test
+    loss one process's on the same weights."""
     result = run(launch + ["--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
-    assert images_counted(tmp_path) == [301] * 3
+    assert_toy_evaluated_once(tmp_path, toy_one_rank)
     assert [line.split()[:2] for line in result.stdout.splitlines() if line.startswith("epoch")] == [
         ["epoch", "1"], ["epoch", "2"], ["epoch", "3"]]   # rank 0 alone prints
 
 
 def test_ddp_toy_accuracy_is_over_the_whole_test_set(toy_one_rank, tmp_path):
-    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes): one process's accuracy,
-    each test image counted once (every rank evaluating all 301 would count 903, at the same accuracy)."""
+    """World size 3 (the third of test_ddp_toy_any_world_size_trains_like_one_rank's sizes): one process's accuracy
+    and test loss on the same weights, each test image counted once (every rank evaluating all 301 would count 903,
+    at the same accuracy and loss)."""
     result = run(["python", "ddp_toy.py", "--world-size", "3", "--out", str(tmp_path)] + TOY)
     assert_ok(result)
     assert_same_weights(load_model(tmp_path), toy_one_rank)
-    net = ddp_toy.ToyMLP()
-    net.load_state_dict(load_model(tmp_path))
-    X, y = ddp_toy.toy_data(301, seed=2)   # 301 does not divide by 3
-    single = (net(X).argmax(1) == y).sum().item() / len(y)
-    reported = json.load(open(tmp_path / "metrics.json"))
-    assert reported["test_acc"] == single and reported["test_samples"] == 301
-    assert images_counted(tmp_path) == [301] * 3
+    assert_toy_evaluated_once(tmp_path, toy_one_rank)
 
 
 def test_sampler_order_changes_each_epoch_and_shards_partition_the_data():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import common
+import ddp_toy
 import local_slurm
 import scratch_lenet
 import scratch_ring
@@ -150,6 +151,25 @@ def images_counted(out):
     """The test images each epoch's evaluation counted, summed over the ranks (metrics.json's test_count)."""
     with open(os.path.join(out, "metrics.json")) as f:
         return [epoch["test_count"] for epoch in json.load(f)["epochs"]]
+
+
+def assert_toy_evaluated_once(out, reference=None):
+    """ddp_toy.py's run in `out`, at TOY's sizes: each epoch's evaluation counted the 301 test images once, and the
+    last one's accuracy and test loss are one process's, computed here over the whole test set on the weights the
+    run saved (the loss up to float32's order of summation), and, given a `reference` (one rank's weights), on those
+    too: the same test loss at every world size."""
+    assert images_counted(out) == [301] * 3
+    with open(os.path.join(out, "metrics.json")) as f:
+        metrics = json.load(f)
+    net = ddp_toy.ToyMLP()
+    X, y = ddp_toy.toy_data(301, seed=2)   # 301 divides by neither 2 nor 3
+    for weights in [load_model(out)] + ([reference] if reference else []):
+        net.load_state_dict(weights)
+        with torch.no_grad():
+            logits = net(X)
+        assert metrics["test_acc"] == (logits.argmax(1) == y).sum().item() / 301 and metrics["test_samples"] == 301
+        loss = F.cross_entropy(logits, y).item()
+        assert metrics["epochs"][-1]["test_loss"] == pytest.approx(loss, rel=1e-6)
 
 
 def max_difference(a, b):
@@ -316,11 +336,12 @@ def scratch_one_replica(tmp_path_factory):
 @pytest.fixture(scope="session")
 @once
 def toy_one_rank(tmp_path_factory):
-    """ddp_toy.py's weights on one rank, whose evaluations each count the 301 test images once."""
+    """ddp_toy.py's weights on one rank, whose evaluations each count the 301 test images once, its test loss one
+    process's over them."""
     out = tmp_path_factory.mktemp("toy1")
     result = run(["python", "ddp_toy.py", "--world-size", "1", "--out", str(out)] + TOY)
     assert_ok(result)
-    assert images_counted(out) == [301] * 3
+    assert_toy_evaluated_once(out)
     return load_model(out)
 
 
