@@ -134,33 +134,38 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, forward=l
 
 # ---------------------------------------------------------------- the evaluation, the epoch's line
 @torch.no_grad()
-def count_correct(params, batches, device):
-    """The right answers of the replica `params` on the test batches, and their images: Sums on
-    `device`, not yet read."""
-    sums = common.Sums.on(device, correct=0, samples=0)
+def evaluation_sums(params, batches, device):
+    """The summed loss (plain cross-entropy) and right answers of the replica `params` on the test
+    batches, and their images: Sums on `device`, not yet read."""
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
         y = y.to(device)
         logits = lenet(X.to(device), params)
+        sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     return sums
 
 
 def evaluate(params, batches, device):
-    """The test accuracy, and the number of test images it counted."""
-    tested = count_correct(params, batches, device).total()
-    return {"test_acc": tested["correct"] / tested["samples"],
+    """The test loss and accuracy, and the number of test images they counted."""
+    tested = evaluation_sums(params, batches, device).total()
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"],
             "test_count": round(tested["samples"])}
 
 
 def report_epoch(metrics, epoch, trained, seconds, tested, master=True):
-    """The epoch's line, in metrics["epochs"] and, from the first process, on the screen."""
+    """The epoch's line, in metrics["epochs"] and, from the first process, on the screen, in
+    metrics.json and curves.png: a run cut short keeps them."""
     record = common.epoch_record(epoch, trained, seconds, tested)
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-              f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-              f"{record['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+              f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+              f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+              f"{seconds:.1f} s", flush=True)
+        common.write_outputs(metrics)
 
 
 # ---------------------------------------------------------------- training

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 import common
-from scratch_lenet import (PARAM_NAMES, add_lenet_flags, allreduce, count_correct,
-                           get_params, init_params, lenet, replica_steps, report_epoch, sgd,
-                           split_batch)
+from scratch_lenet import (PARAM_NAMES, add_lenet_flags, allreduce, evaluation_sums, get_params,
+                           init_params, lenet, replica_steps, report_epoch, sgd, split_batch)
 
 
 # ---------------------------------------------------------------- the ring allreduce from send/recv
@@ -214,9 +213,11 @@ def train_batch(X, y, replicas, velocities, devices, lr, global_batch, rank, wor
 
 # ---------------------------------------------------------------- the evaluation, the epoch's sums
 def evaluate(params, batches, device):
-    """The test accuracy over all processes, each test image counted once, and that count."""
-    tested = count_correct(params, batches, device).total()   # RING: over all processes
-    return {"test_acc": tested["correct"] / tested["samples"],
+    """The test loss and accuracy over all processes, each test image counted once, and that
+    count."""
+    tested = evaluation_sums(params, batches, device).total()   # RING: over all processes
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"],
             "test_count": round(tested["samples"])}
 
 
