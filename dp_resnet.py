@@ -95,17 +95,20 @@ def train_step(model, optimizer, X, y, sums):
 
 @torch.no_grad()
 def evaluate(model, batches, device):
-    """The test accuracy, and the number of test images it counted."""
+    """The test loss (plain cross-entropy) and accuracy, and the number of test images they
+    counted."""
     model.eval()
-    sums = common.Sums.on(device, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
         y = y.to(device)
         logits = model(X.to(device))   # DP: split over the GPUs too
+        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
     model.train()
     tested = sums.total()
-    return {"test_acc": tested["correct"] / tested["samples"],
+    return {"test_loss": tested["loss"] / tested["samples"],
+            "test_acc": tested["correct"] / tested["samples"],
             "test_count": round(tested["samples"])}
 
 
@@ -152,8 +155,11 @@ def train(args):
         record = common.epoch_record(epoch, sums.total(), seconds, tested)
         metrics["epochs"].append(record)
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
-              f"{record['train_acc']:.4f}  test acc {record['test_acc']:.4f}  "
-              f"{record['samples_per_s']:,.0f} samples/s  {seconds:.1f} s", flush=True)
+              f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
+              f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
+              f"{seconds:.1f} s", flush=True)
+        # Also metrics.json and curves.png, after every epoch: a run cut short keeps them.
+        common.write_outputs(metrics)
         if step == args.max_steps:
             break
     # DP: each step's forward broadcasts the weights and buffers from the first GPU, and backward
