@@ -16,7 +16,7 @@ timer waits for the first GPU alone: every step ends there (the gradients summed
 The optimizer is in make_optimizer(): ddp_resnet.py's SGD, at a constant learning rate.
 Copy it with common.py. Lines that exist only because of DataParallel are tagged `# DP:`.
 """
-import argparse, os, time
+import argparse, math, os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--channels-last", action="store_true",
                    help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--print-every", type=common.every, default="10s", help="a progress line "
+                   "every N steps (100) or N seconds (10s, the default); 0: none")
     p.add_argument("--out", default="runs/dp_resnet",
                    help="folder for metrics.json, curves.png and model.pt")
     args = p.parse_args(argv)
@@ -113,6 +115,24 @@ def evaluate(model, batches, device):
 
 
 # ---------------------------------------------------------------- training
+def train_epoch(model, optimizer, batches, here, progress, memory_format, device):
+    """Epoch `here.epoch`'s steps, to its end or the run's last step; `here.step` moves with them.
+    Returns the epoch's sums and seconds. Only a progress line reads anything back."""
+    timer = common.Timer(device)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    # Both to the first GPU: DataParallel scatters X from it and gathers the logits on it.
+    for X, y in batches:
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+        train_step(model, optimizer, X, y.to(device, non_blocking=True), sums)
+        here.step += 1
+        if here.step == progress.final_step:
+            break
+        # One process has no vote to carry its clock: it asks itself.
+        if progress.due(here.step, progress.asks()):
+            progress.say(here, sums.total(), optimizer.param_groups[0]["lr"])
+    return sums, timer()
+
+
 def train(args):
     """The set-up, then the epochs, each evaluated. Returns the bare model."""
     os.makedirs(args.out, exist_ok=True)
@@ -138,19 +158,14 @@ def train(args):
                                  len(test_set))
     print(f"dp_resnet: DataParallel over {[str(d) for d in gpus or [device]]}, batch "
           f"{args.batch_size}, lr {optimizer.param_groups[0]['lr']:g}, constant", flush=True)
-    step, start = 0, time.perf_counter()
+    final_step = min(args.max_steps or math.inf, len(train_set) // args.batch_size * args.epochs)
+    progress = common.Progress(args.print_every, 0, final_step, args.batch_size, master=True)
+    here = common.Position()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
-        timer = common.Timer(device)
-        sums = common.Sums.on(device, loss=0, correct=0, samples=0)
-        # Both to the first GPU: DataParallel scatters X from it and gathers the logits on it.
-        for X, y in train_batches:
-            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-            train_step(model, optimizer, X, y.to(device, non_blocking=True), sums)
-            step += 1
-            if step == args.max_steps:
-                break
-        seconds = timer()
+        here.epoch = epoch
+        sums, seconds = train_epoch(model, optimizer, train_batches, here, progress, memory_format,
+                                    device)
         tested = evaluate(model, test_batches, device)
         record = common.epoch_record(epoch, sums.total(), seconds, tested)
         metrics["epochs"].append(record)
@@ -160,7 +175,7 @@ def train(args):
               f"{seconds:.1f} s", flush=True)
         # Also metrics.json and curves.png, after every epoch: a run cut short keeps them.
         common.write_outputs(metrics)
-        if step == args.max_steps:
+        if here.step == final_step:
             break
     # DP: each step's forward broadcasts the weights and buffers from the first GPU, and backward
     # sums the gradients there.
@@ -169,7 +184,7 @@ def train(args):
         weights = common.nbytes(*raw_model.parameters())
         sent = {f"broadcast ({len(gpus)} GPUs)": weights + common.nbytes(*raw_model.buffers()),
                 f"reduce_add ({len(gpus)} GPUs)": weights}
-    common.finish(metrics, step, time.perf_counter() - start, raw_model.state_dict(), sent)
+    common.finish(metrics, here.step, progress.spent(), raw_model.state_dict(), sent)
     return raw_model
 
 
