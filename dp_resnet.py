@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
     p.add_argument("--channels-last", action="store_true",
                    help="NHWC memory layout (faster convolutions on GPUs)")
+    p.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic "
+                   "algorithms, not its autotuner's fastest (the same bits again, slower)")
     p.add_argument("--print-every", type=common.every, default="10s", help="a progress line "
                    "every N steps (100) or N seconds (10s, the default); 0: none")
     p.add_argument("--out", default="runs/dp_resnet",
@@ -96,14 +98,15 @@ def train_step(model, optimizer, X, y, sums):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device):
+def evaluate(model, batches, device, memory_format=torch.contiguous_format):
     """The test loss (plain cross-entropy) and accuracy, and the number of test images they
-    counted."""
+    counted: in the training's precision (the wrapped model's autocast) and memory layout."""
     model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
-        y = y.to(device)
-        logits = model(X.to(device))   # DP: split over the GPUs too
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
+        y = y.to(device, non_blocking=True)
+        logits = model(X)   # DP: split over the GPUs too
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
@@ -166,7 +169,7 @@ def train(args):
         here.epoch = epoch
         sums, seconds = train_epoch(model, optimizer, train_batches, here, progress, memory_format,
                                     device)
-        tested = evaluate(model, test_batches, device)
+        tested = evaluate(model, test_batches, device, memory_format)
         record = common.epoch_record(epoch, sums.total(), seconds, tested)
         metrics["epochs"].append(record)
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -177,6 +180,8 @@ def train(args):
         common.write_outputs(metrics)
         if here.step == final_step:
             break
+    # Each GPU's peak memory, one entry per GPU DataParallel drives ([None] on a CPU).
+    metrics["peak_memory_bytes"] = [common.peak_memory(d) for d in gpus or [device]]
     # DP: each step's forward broadcasts the weights and buffers from the first GPU, and backward
     # sums the gradients there.
     sent = {}
@@ -189,7 +194,12 @@ def train(args):
 
 
 def main(argv=None):
-    return train(parse_args(argv))
+    args = parse_args(argv)
+    # Every batch has one shape: on GPUs, cuDNN's autotuner picks each convolution's fastest
+    # algorithm once, unless the run must repeat its bits.
+    torch.backends.cudnn.benchmark = not args.deterministic
+    torch.backends.cudnn.deterministic = args.deterministic
+    return train(args)
 
 
 if __name__ == "__main__":
