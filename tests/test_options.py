@@ -1,16 +1,19 @@
 """The scripts' options beyond their approach, and runs longer than a proof needs: torch.compile,
 bf16 autocast, channels-last, scratch_ring.py's --overlap and --zero at three processes, eight
 ranks, the README's first command to its accuracy, accuracy at three ranks, no process-group thread
-left at exit, the CPU path without Linux-only calls, and the GPU check on a machine without GPUs.
-Run by `bash run_all.sh test`."""
-import json, os, subprocess, sys
+left at exit, the CPU path without Linux-only calls, the GPU check on a machine without GPUs, and
+the pages other than ddp_resnet.py's family: their outputs after every epoch, their test loss,
+dp_resnet.py's progress line, cuDNN settings and evaluation. Run by `bash run_all.sh test`."""
+import json, os, re, subprocess, sys
 import pytest
 import torch
 import common
+import ddp_toy
 import dp_resnet
 import scratch_lenet
-from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, assert_ok, assert_same_weights, fashion_resnet,
-                     free_port, images_counted, load_model, resnet_reference, resnet_step, run,
+import scratch_ring
+from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok, assert_same_weights,
+                     fashion_resnet, free_port, images_counted, load_model, resnet_reference, resnet_step, run,
                      scratch_ring_trains_like_one_device)
 
 
@@ -168,3 +171,95 @@ def test_any_seed_seeds_the_augmentation():
     draws = {seed: common.Seeded(Draws(), seed)[2] for seed in (0, 18_447, 2**70, -5)}
     assert len({tuple(d.tolist()) for d in draws.values()}) == 4
     assert torch.equal(common.Seeded(Draws(), 2**70)[2], draws[2**70])
+
+
+# ---------------------------------------------------------------- the small pages: outputs, test loss, progress
+PROGRESS = re.compile(r"^  step +(\d+)/(\d+)  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr \S+  "
+                      r"[\d,]+ samples/s  \d+:\d\d spent, \d+:\d\d left$", re.M)
+EPOCH = re.compile(r"^epoch +\d+  loss \S+  train acc \S+  test loss (\S+)  test acc (\S+)  [\d,]+ samples/s  ", re.M)
+
+
+def outputs_written(monkeypatch):
+    """Watches common.write_outputs: after each call, the epochs of the metrics.json on disk, whether each of its rows
+    has a test loss, and whether curves.png and model.pt are there."""
+    written, real = [], common.write_outputs
+    def write_outputs(metrics):
+        real(metrics)
+        out = metrics["config"]["out"]
+        with open(os.path.join(out, "metrics.json")) as f:
+            rows = json.load(f)["epochs"]
+        written.append(([row["epoch"] for row in rows], all("test_loss" in row for row in rows),
+                        os.path.exists(os.path.join(out, "curves.png")), os.path.exists(os.path.join(out, "model.pt"))))
+    monkeypatch.setattr(common, "write_outputs", write_outputs)
+    return written
+
+
+AFTER_TWO_EPOCHS = [([1], True, True, False), ([1, 2], True, True, False), ([1, 2], True, True, False)]
+
+
+@pytest.mark.parametrize("page, flags", [(ddp_toy, TOY), (scratch_lenet, SMALL + ["--batch-size", "128"]),
+                                         (scratch_ring, SMALL + ["--batch-size", "128"])],
+                         ids=["ddp_toy", "scratch_lenet", "scratch_ring"])
+def test_each_small_page_writes_its_outputs_after_every_epoch_and_prints_its_test_loss(page, flags, monkeypatch,
+                                                                                      capfd, tmp_path):
+    """In this process (ddp_toy.py and scratch_ring.py as a group of one), 2 epochs: after each, metrics.json on disk
+    holds the epochs so far, each row with its test loss, beside curves.png; model.pt comes after the last write, at
+    the end. Each epoch line prints its row's test loss and accuracy."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    if page is not scratch_lenet:   # which refuses a launcher's variables
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+            monkeypatch.setenv(name, value)
+    written = outputs_written(monkeypatch)
+    page.main(flags + ["--epochs", "2", "--out", str(tmp_path)])
+    assert written == AFTER_TWO_EPOCHS and (tmp_path / "model.pt").exists()
+    rows = json.load(open(tmp_path / "metrics.json"))["epochs"]
+    assert EPOCH.findall(capfd.readouterr().out) == [(f"{r['test_loss']:.4f}", f"{r['test_acc']:.4f}") for r in rows]
+
+
+def test_dp_resnet_prints_progress_at_the_steps_asked_and_writes_its_outputs_after_every_epoch(monkeypatch, capfd,
+                                                                                              tmp_path):
+    """dp_resnet.py in this process, 2 epochs of 6 steps, --print-every 2: progress lines after steps 2, 4, 6, 8 and
+    10 (12, the last, ends with its epoch line), at step 6 with the epoch's loss and accuracy; after each epoch,
+    metrics.json on disk holds the epochs so far, each with its test loss (the epoch line's), beside curves.png, and
+    model.pt comes at the end; cuDNN's autotuner is on; the peak memory of each GPU (on a CPU: [None]). Then
+    --print-every 0 --deterministic for 3 steps: no progress line, cuDNN deterministic, its autotuner off."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    written = outputs_written(monkeypatch)
+    dp_resnet.main(TWO_EPOCHS + ["--print-every", "2", "--out", str(tmp_path)])
+    out = capfd.readouterr().out
+    lines = PROGRESS.findall(out)
+    assert [line[:3] for line in lines] == [("2", "12", "1"), ("4", "12", "1"), ("6", "12", "1"), ("8", "12", "2"),
+                                            ("10", "12", "2")], out
+    metrics = json.load(open(tmp_path / "metrics.json"))
+    rows = metrics["epochs"]
+    assert lines[2][3:] == (f"{rows[0]['train_loss']:.4f}", f"{rows[0]['train_acc']:.4f}")
+    assert written == AFTER_TWO_EPOCHS and (tmp_path / "model.pt").exists()
+    assert EPOCH.findall(out) == [(f"{r['test_loss']:.4f}", f"{r['test_acc']:.4f}") for r in rows]
+    assert metrics["peak_memory_bytes"] == [None] and "peak GPU memory" not in out
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (True, False)
+    dp_resnet.main(TWO_EPOCHS + ["--print-every", "0", "--deterministic", "--max-steps", "3",
+                                 "--out", str(tmp_path / "quiet")])
+    out = capfd.readouterr().out
+    assert "done: 3 steps" in out and not PROGRESS.findall(out), out
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, True)
+
+
+def test_dp_resnet_evaluates_in_the_trainings_precision_and_layout():
+    """The test batches reach the model in the layout asked (channels_last: colour images, where it is another
+    layout), and DataParallel's replica runs them in bf16 autocast with --amp (dp_resnet.Autocast), in eval mode;
+    the model is back in training mode after."""
+    seen = []
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 10, 8), torch.nn.Flatten())
+    net.register_forward_pre_hook(lambda m, inputs: seen.append(
+        (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1)))   # channels_last: C is innermost
+    model = torch.nn.DataParallel(dp_resnet.Autocast(net, True))
+    batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))] * 2
+    cpu = torch.device("cpu")
+    tested = dp_resnet.evaluate(model, batches, cpu, torch.channels_last)
+    assert seen == [(False, True, True)] * 2 and model.training and tested["test_count"] == 8
+    seen.clear()
+    dp_resnet.evaluate(torch.nn.DataParallel(dp_resnet.Autocast(net, False)), batches, cpu)
+    assert seen == [(False, False, False)] * 2
