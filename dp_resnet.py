@@ -118,7 +118,7 @@ def evaluate(model, batches, device, memory_format=torch.contiguous_format):
 
 
 # ---------------------------------------------------------------- training
-def train_epoch(model, optimizer, batches, here, progress, memory_format, device):
+def train_epoch(model, optimizer, batches, here, final_step, progress, memory_format, device):
     """Epoch `here.epoch`'s steps, to its end or the run's last step; `here.step` moves with them.
     Returns the epoch's sums and seconds. Only a progress line reads anything back."""
     timer = common.Timer(device)
@@ -128,7 +128,7 @@ def train_epoch(model, optimizer, batches, here, progress, memory_format, device
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
         train_step(model, optimizer, X, y.to(device, non_blocking=True), sums)
         here.step += 1
-        if here.step == progress.final_step:
+        if here.step == final_step:
             break
         # One process has no vote to carry its clock: it asks itself.
         if progress.due(here.step, progress.asks()):
@@ -167,8 +167,8 @@ def train(args):
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)
         here.epoch = epoch
-        sums, seconds = train_epoch(model, optimizer, train_batches, here, progress, memory_format,
-                                    device)
+        sums, seconds = train_epoch(model, optimizer, train_batches, here, final_step, progress,
+                                    memory_format, device)
         tested = evaluate(model, test_batches, device, memory_format)
         record = common.epoch_record(epoch, sums.total(), seconds, tested)
         metrics["epochs"].append(record)
