@@ -104,8 +104,7 @@ def evaluate(model, batches, device, memory_format=torch.contiguous_format):
     model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
-        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format)
-        y = y.to(device, non_blocking=True)
+        X, y = X.to(device).contiguous(memory_format=memory_format), y.to(device)
         logits = model(X)   # DP: split over the GPUs too
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
