@@ -22,7 +22,8 @@ from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok,
                      assert_same_weights, assert_toy_evaluated_once, epoch_batches, fashion_resnet, free_port,
                      images_counted, load_model, resnet_reference, run, scratch_ring_trains_like_one_device)
-from helpers import fashion_mnist, resnet_tolerance, scratch_one_replica, toy_one_rank   # noqa: F401  (fixtures)
+from helpers import (fashion_mnist, launcher_variables_kept, resnet_tolerance,   # noqa: F401  (fixtures)
+                     scratch_one_replica, toy_one_rank)
 
 RESNET_BYTES = 4 * sum(p.numel() for p in fashion_resnet(0).parameters())   # 44,691,240
 

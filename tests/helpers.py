@@ -42,6 +42,23 @@ NO_CLUSTER = simulated_cluster.unavailable()   # None here as root with ip, tc a
 NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (.ci/run installs them)
 
 
+# What a launcher sets, and a page's main() sets for a group of one when it finds none.
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def launcher_variables_kept():
+    """Each test finds the launcher's variables as the session had them, and leaves them so: a page's main()
+    run in the test's process sets them, and the next test in that process would take it for a launcher."""
+    kept = {name: os.environ.get(name) for name in LAUNCHER}
+    yield
+    for name, value in kept.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 _computed = {}
 
 
