@@ -74,6 +74,8 @@ parser.add_argument("--max-steps", type=common.positive_int,
                     help="stop after this many optimizer steps")
 parser.add_argument("--channels-last", action="store_true",
                     help="NHWC memory layout (faster convolutions on GPUs)")
+parser.add_argument("--deterministic", action="store_true", help="CUDA: cuDNN's deterministic "
+                    "algorithms, not its autotuner's fastest (the same bits again, slower)")
 parser.add_argument("--backend", choices=("nccl", "gloo"),
                     help="default: nccl on CUDA, else gloo (CPUs: FSDP2 refuses it with CUDA)")
 parser.add_argument("--print-every", type=common.every, default="10s", help="a progress line "
@@ -390,7 +392,13 @@ def join_the_group(args):
                          f"(SIGSEGV): use --backend nccl (one process per GPU), or the CPU: "
                          f"CUDA_VISIBLE_DEVICES=")
     dist.init_process_group(backend, store=common.attempt_store(), rank=rank,   # FSDP: join
-                            world_size=world_size, device_id=device if backend == "nccl" else None)
+                            world_size=world_size)
+    if backend == "nccl":
+        common.one_rank_per_gpu(device)   # FSDP: before NCCL's first call
+    # Every batch has one shape: on GPUs, cuDNN's autotuner picks each convolution's fastest
+    # algorithm once, unless the run must repeat its bits.
+    torch.backends.cudnn.benchmark = not args.deterministic
+    torch.backends.cudnn.deterministic = args.deterministic
     return rank, world_size, device, backend
 
 

@@ -328,17 +328,18 @@ def test_the_gpu_defaults_autotune_and_evaluate_as_the_training_runs(monkeypatch
     assert [type(m).__name__ for m in compiled] == ["DistributedDataParallel", "ResNet"]
 
 
-def test_two_ranks_on_one_gpu_are_refused_before_nccl_in_one_line(tmp_path):
+@pytest.mark.parametrize("page", ["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_in_one_line(page, tmp_path):
     """Two processes a launcher showed the same GPU (CUDA_VISIBLE_DEVICES=0 for both, taken at its word): the
     first NCCL call would fail with NCCL's "Duplicate GPU detected"; the ranks compare (host, GPU UUID) over
     gloo first, and one line names the host and the GPU."""
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "shared-gpu",
-                  "ddp_resnet"] + RESNET + ["--out", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
+                  page] + RESNET + ["--out", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode != 0
     line = f"rank 0: error: ranks 0 and 1 are both on GPU GPU-8b3c of {socket.gethostname()}: start at most one " \
            f"process per GPU, or let them share it: --backend gloo"
     assert result.stderr.count(line) == 1 and "Duplicate GPU" not in result.stderr, result.stderr[-3000:]
-    assert "ddp_resnet:" not in result.stdout
+    assert f"{page}:" not in result.stdout
 
 
 def test_the_test_loaders_workers_stay_from_one_evaluation_to_the_next():
