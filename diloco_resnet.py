@@ -157,17 +157,19 @@ def train_step(model, optimizer, X, y, args, sums):
 
 
 @torch.no_grad()
-def evaluate(raw_model, outer, batches, device):
+def evaluate(raw_model, outer, batches, args, device):
     """The test loss (plain cross-entropy) and accuracy of the shared weights of the last sync over
-    all ranks, each test image counted once, and that count. This rank's replica is put back
-    after, in training mode."""
+    all ranks, each test image counted once, and that count, in the training's precision and
+    memory layout. This rank's replica is put back after, in training mode."""
     replica = copy.deepcopy(raw_model.state_dict())
     raw_model.load_state_dict(outer.shared_state(raw_model))
     raw_model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     for X, y in batches:
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
-        logits = raw_model(X.to(device, non_blocking=True))
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            logits = raw_model(X)
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
@@ -517,7 +519,7 @@ def train(args):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
         if signalled:
             break
-        tested = evaluate(raw_model, outer, test_batches, device)
+        tested = evaluate(raw_model, outer, test_batches, args, device)
         report_epoch(metrics, epoch, sums, seconds, tested, master)
         if here.batch_in_epoch == steps_per_epoch:
             # The epoch's end, evaluated: a checkpoint of the next one's start.

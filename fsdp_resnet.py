@@ -155,18 +155,20 @@ def train_step(model, optimizer, X, y, sums):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device):
+def evaluate(model, batches, args, device):
     """The test loss (plain cross-entropy) and accuracy over all ranks, each test image counted
-    once, and that count. BatchNorm's statistics are not sharded, and each rank's own batches
-    updated its own: every rank evaluates rank 0's, those model.pt holds."""
+    once, and that count: the sharded model, in the training's precision (its mixed precision
+    policy, --amp) and memory layout. BatchNorm's statistics are not sharded, and each rank's own
+    batches updated its own: every rank evaluates rank 0's, those model.pt holds."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
     model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # FSDP: as many forwards on every rank, each gathering the stages
     for X, y in batches:
+        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
-        logits = model(X.to(device, non_blocking=True))
+        logits = model(X)
         sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
         sums["correct"] += (logits.argmax(1) == y).sum()
         sums["samples"] += len(y)
@@ -545,7 +547,7 @@ def train(args):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))
         if signalled:
             break
-        tested = evaluate(model, test_batches, device)
+        tested = evaluate(model, test_batches, args, device)
         report_epoch(metrics, epoch, sums, seconds, tested, master)
         if here.batch_in_epoch == steps_per_epoch:
             # The epoch's end, evaluated: a checkpoint of the next one's start.

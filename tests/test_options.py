@@ -70,6 +70,46 @@ def test_fsdp_channels_last_keeps_the_weights_contiguous_and_steps_the_same(tmp_
     assert (step - reference).norm() / reference.norm() < 1e-4
 
 
+# One run of a page, whose model records each of its forwards: (in training mode, under autocast, its input
+# channels_last, the logits' dtype); then cuDNN's two settings.
+RECORDED = """import json, sys, torch, common
+page, forwards, resnet = __import__(sys.argv[1]), [], common.resnet
+def recorded(*args, **kwargs):
+    net = resnet(*args, **kwargs)
+    net.register_forward_hook(lambda m, inputs, logits: forwards.append(
+        (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1, str(logits.dtype))))
+    return net
+common.resnet = recorded
+page.main(sys.argv[2:])
+print(json.dumps([forwards, torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic]))
+"""
+
+
+@pytest.mark.parametrize("page", ["fsdp_resnet", "diloco_resnet"])
+def test_fsdp_and_diloco_autotune_and_evaluate_as_they_train(page, tmp_path):
+    """cuDNN's autotuner is on, and off with --deterministic; every evaluation forward runs as the training's
+    do: in bfloat16 with --amp (DiLoCo's autocast; FSDP's mixed precision policy, without autocast, in both),
+    on channels_last inputs with --channels-last, else in float32 on contiguous ones. One process on the CPU,
+    for real: the meta device of as_on_a_gpu.py runs no mixed precision policy."""
+    from PIL import Image
+    for split in ("train", "val"):   # colour images: channels_last is another layout only with several channels
+        for label in ("a", "b"):
+            (tmp_path / "rgb" / split / label).mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (28, 28), (i, 20 * i, 30)).save(tmp_path / "rgb" / split / label / f"{i}.png")
+    folder = ["--data-dir", str(tmp_path / "rgb"), "--image-size", "28", "--workers", "0", "--batch-size", "8",
+              "--epochs", "1", "--out", str(tmp_path / "out")]
+    for flags, autotuned in ((["--amp", "--channels-last"], True), (["--deterministic"], False)):
+        result = run(["python", "-c", RECORDED, page] + folder + flags)
+        assert_ok(result)
+        forwards, benchmark, deterministic = json.loads(result.stdout.splitlines()[-1])
+        assert benchmark == autotuned and deterministic != autotuned
+        trained = {tuple(f[1:]) for f in forwards if f[0]}
+        evaluated = {tuple(f[1:]) for f in forwards if not f[0]}
+        dtype = "torch.bfloat16" if autotuned else "torch.float32"
+        assert evaluated == trained == {(autotuned and page == "diloco_resnet", autotuned, dtype)}, forwards
+
+
 @pytest.mark.parametrize("devices, flag", [(1, "--overlap"), (2, "--overlap"), (1, "--zero")])
 def test_overlap_and_zero_at_three_processes_train_like_one_device(devices, flag, scratch_one_replica, tmp_path):
     """scratch_ring.py's --overlap and --zero where the ring's chunks are unequal (3 processes), --overlap
