@@ -24,7 +24,7 @@ weights and the outer momentum, and a folder beside it every rank's replica with
 optimizer: a run stopped inside a round resumes in it (at the same world size). Copy it with
 common.py. Lines that exist only because of distribution are tagged `# DiLoCo:`.
 """
-import argparse, collections, copy, dataclasses, glob, math, os, shutil, time
+import argparse, collections, copy, dataclasses, glob, math, os, shutil
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -491,12 +491,11 @@ def train(args):
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
-    outer = Outer(raw_model, args.outer_lr, args.outer_momentum)
+    outer, sent = Outer(raw_model, args.outer_lr, args.outer_momentum), collections.Counter()
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = resume_flags(args, shape, len(train_set))
-    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, outer, flags, metrics,
-                            steps_per_epoch)
+    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, outer,
+                            resume_flags(args, shape, len(train_set)), metrics, steps_per_epoch)
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return outer.shared_state(raw_model)
@@ -507,7 +506,6 @@ def train(args):
               f"cosine after {args.warmup_epochs:g} warm-up epochs; a sync every "
               f"{args.local_steps} step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
               f"{args.outer_momentum:g}", flush=True)
-    sent, first_step, started = collections.Counter(), here.step, time.perf_counter()
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DiLoCo: one order, new each epoch
@@ -527,6 +525,9 @@ def train(args):
             checkpoint.save(here)
         if here.step == final_step:
             break
+    # The loaders' workers end with the loop: freed later, in a garbage collection, they would
+    # not be told (torch's queues close first), and they ignore SIGTERM.
+    del train_batches, test_batches
     if signalled:
         common.say_stopped(signalled, here.step, args.checkpoint, master)
         raise SystemExit(common.PREEMPTED)   # DiLoCo: every rank stops here
@@ -534,9 +535,8 @@ def train(args):
     metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
         say_inside_round(here.step, last_step, args)
-        seconds = time.perf_counter() - started
-        sent = bytes_sent_per_step(sent, here.step - first_step)
-        common.finish(metrics, here.step, seconds, outer.shared_state(raw_model), sent)
+        sent = bytes_sent_per_step(sent, here.step - progress.first_step)
+        common.finish(metrics, here.step, progress.spent(), outer.shared_state(raw_model), sent)
     return outer.shared_state(raw_model)
 
 

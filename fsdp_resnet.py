@@ -21,7 +21,7 @@ the fast links inside a node.
 Checkpoints are folders that every rank writes its own shards to (torch.distributed.checkpoint),
 read back at any world size. Copy it with common.py. Lines only sharding needs are tagged `# FSDP:`.
 """
-import argparse, collections, dataclasses, math, os, re, shutil, time
+import argparse, collections, dataclasses, math, os, re, shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -497,8 +497,11 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
         common.write_outputs(metrics)
 
 
-def report_memory(metrics, model, optimizer, mesh, world_size, master):
-    """What each rank holds, in metrics.json and, from rank 0, on the screen."""
+def report_memory(metrics, model, optimizer, mesh, device, world_size, master):
+    """What each rank holds, and its peak GPU memory, in metrics.json and, from rank 0, on the
+    screen."""
+    # FSDP: every rank's peak GPU memory
+    metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     held = common.every_rank(bytes_held(model, optimizer), world_size)   # FSDP: what each holds
     if master and metrics["epochs"]:
         metrics["bytes_per_rank"] = held
@@ -536,7 +539,6 @@ def train(args):
               f"{args.batch_size // world_size}, parameters sharded {mesh.size(mesh.ndim - 1)} "
               f"ways{replicas}, lr {optimizer.param_groups[0]['initial_lr']:g}, cosine after "
               f"{args.warmup_epochs:g} warm-up epochs", flush=True)
-    started = time.perf_counter()
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # FSDP: one order, new each epoch
@@ -555,19 +557,19 @@ def train(args):
             checkpoint.save(here)
         if here.step == final_step:
             break
+    # The loaders' workers end with the loop: freed later, in a garbage collection, they would
+    # not be told (torch's queues close first), and they ignore SIGTERM.
+    del train_batches, test_batches
     if signalled:
         common.say_stopped(signalled, here.step, args.checkpoint, master)
         raise SystemExit(common.PREEMPTED)   # FSDP: every rank stops here
-    # FSDP: every rank's peak GPU memory
-    metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
-    report_memory(metrics, model, optimizer, mesh, world_size, master)
+    report_memory(metrics, model, optimizer, mesh, device, world_size, master)
     # FSDP: the shards gathered into the whole model, on rank 0's CPU
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=whole)
     if master and metrics["epochs"]:
-        seconds = time.perf_counter() - started
         sent = bytes_sent_per_step(model, mesh, args.amp)
-        common.finish(metrics, here.step, seconds, state, sent)
+        common.finish(metrics, here.step, progress.spent(), state, sent)
     return state
 
 

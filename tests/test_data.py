@@ -210,6 +210,33 @@ def test_importing_common_does_nothing_and_a_runs_workers_end_with_it(images, tm
         assert "workers left: 0" in result.stdout, result.stdout[-2000:]
 
 
+# A page's main(), with a reference cycle that holds its train() frame made as each epoch's outputs are written (as
+# a stored traceback's frames, or matplotlib's, may be), and automatic collection off: the cycle outlives train().
+KEEPS_TRAIN = """import gc, multiprocessing, sys, common
+def write_outputs(metrics, write=common.write_outputs):
+    write(metrics)
+    frame = sys._getframe()
+    while frame.f_code.co_name != "train":
+        frame = frame.f_back
+    cycle = [frame]
+    cycle.append(cycle)
+common.write_outputs = write_outputs
+gc.disable()
+__import__(sys.argv[1]).main(sys.argv[2:])
+print("workers left:", len(multiprocessing.active_children()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("page", ["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
+def test_a_runs_workers_end_with_its_loop_when_a_cycle_holds_its_frame(page, images, tmp_path):
+    """Loaders held by a frame in a reference cycle are freed only by a garbage collection, where torch's queues
+    close before the workers are told to stop: the workers ignore SIGTERM, and the interpreter's exit would wait for
+    them for ever. Each page frees its loaders as its loop ends."""
+    result = run(["python", "-c", KEEPS_TRAIN, page, "--data-dir", str(images), "--workers", "2", "--max-steps", "4",
+                  "--out", str(tmp_path)] + FOLDER, timeout=120)
+    assert result.returncode == 0 and "workers left: 0" in result.stdout, (result.stdout + result.stderr)[-2000:]
+
+
 # ---------------------------------------------------------------- bad folders
 def break_folder(case, folder):
     """Make `folder` (a copy of the image folder) bad in one way; return the path the error must name."""
