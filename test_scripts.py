@@ -721,8 +721,8 @@ def test_gradient_accumulation_equals_ranks(resnet_tolerance, tmp_path):
 def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, steps, resnet_tolerance, tmp_path):
     """Same seed and global batch: DDP's weights (the reference, which ddp_resnet.py computes: test
     above; at 3 ranks after one step: in the first steps of a ResNet, the other summation order of
-    a reduce-scatter grows from 1e-7 to 4e-5 by the second), and one process's accuracy on them.
-    Each rank holds 1/W of the parameters, gradients and momentum."""
+    a reduce-scatter grows from 1e-7 to 4e-5 by the second), and one process's accuracy and test
+    loss on them. Each rank holds 1/W of the parameters, gradients and momentum."""
     flags = RESNET + ["--batch-size", "12", "--max-steps", str(steps)]
     fsdp = run(["torchrun", "--standalone", f"--nproc_per_node={nproc}", "fsdp_resnet.py"] + flags +
                ["--out", str(tmp_path / "fsdp")])
@@ -734,9 +734,10 @@ def test_fsdp_resnet_trains_like_ddp_resnet_with_a_shard_of_the_memory(nproc, st
     net.load_state_dict(load_model(tmp_path / "fsdp"))
     _, test_set, _ = common.fashion_mnist(DATA, 64, 101)
     X, y = test_set.tensors
-    with torch.no_grad():
-        correct, count = (net.eval()(X).argmax(1) == y).sum().item(), len(y)
+    logits = net.eval()(X).detach()
+    correct, count, loss = (logits.argmax(1) == y).sum().item(), len(y), F.cross_entropy(logits, y).item()
     assert metrics["test_acc"] == correct / count and metrics["epochs"][-1]["test_count"] == count == 101
+    assert metrics["epochs"][-1]["test_loss"] == pytest.approx(loss, rel=1e-6), loss   # float32 sums, another order
     held = metrics["bytes_per_rank"]
     assert len(held) == nproc
     for kind in ("params", "grads", "optimizer_state"):
