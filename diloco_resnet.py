@@ -282,13 +282,19 @@ class Checkpoint:
                 received = [None]
                 dist.recv_object_list(received, src=0)   # DiLoCo: this rank's replica
                 mine = received[0]
+        here = common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
+                                      final_step, self.master)
         self.raw_model.load_state_dict(mine["model"])
-        self.optimizer.load_state_dict(mine["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        try:
+            self.optimizer.load_state_dict(mine["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, ValueError) as e:
+            # Another optimizer or schedule than the one that wrote it.
+            raise SystemExit(f"error: cannot resume from {self.path}: its optimizer or schedule "
+                             f"is not this one's ({common.one_line(e)})" if self.master else 1)
         self.outer.load_state_dict(state["outer"])
         self.metrics["epochs"] = state["history"]
-        return common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
-                                      final_step, self.master)
+        return here
 
     def replica(self, state, rank):
         """Rank `rank`'s replica and inner optimizer, from the folder of the checkpoint `state`."""
@@ -310,22 +316,28 @@ def on_cpu(state):
 
 # ---------------------------------------------------------------- the outer step, and what it sends
 class Outer:
-    """The shared weights (of the last sync) and the outer optimizer that steps them."""
-    def __init__(self, raw_model, lr, momentum):
+    """The shared weights (of the last sync) and the outer optimizer that steps them. A round
+    ends every `local_steps` steps, and at the training's last step; `sent` counts the bytes this
+    rank hands to collectives."""
+    def __init__(self, raw_model, lr, momentum, local_steps=1, last_step=None):
         # Where every replica started the round.
         self.params = [p.detach().clone() for p in raw_model.parameters()]
         self.buffers = [b.detach().clone() for b in raw_model.buffers()]
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum,
                                          nesterov=momentum > 0)
+        self.local_steps, self.last_step = local_steps, last_step
+        self.sent = collections.Counter()
 
-    def sync(self, raw_model, world_size, sent):
+    def round_ends(self, step):
+        return step % self.local_steps == 0 or step == self.last_step
+
+    def sync(self, raw_model, world_size):
         """The end of a round: one allreduce of every parameter's pseudo-gradient (the weights of
         the round's start minus this rank's), averaged, an outer step of the shared weights, and
-        every replica set to them; rank 0's BatchNorm statistics for all. Adds the bytes handed
-        to collectives to `sent`."""
+        every replica set to them; rank 0's BatchNorm statistics for all."""
         pseudo = torch.cat([(start - p.detach()).flatten()
                             for start, p in zip(self.params, raw_model.parameters())])
-        sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
+        self.sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
         # DiLoCo: the round's only exchange of weights, H steps' worth
         dist.all_reduce(pseudo)   # DiLoCo: summed over all ranks
         pseudo /= world_size
@@ -334,7 +346,7 @@ class Outer:
         # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum.
         self.optimizer.step()
         for buffer in raw_model.buffers():
-            sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
+            self.sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
             dist.broadcast(buffer, src=0)   # DiLoCo: rank 0's BatchNorm statistics
         with torch.no_grad():
             # Every replica starts the next round from the shared weights.
@@ -420,41 +432,43 @@ def memory_format(args):
 
 
 # ---------------------------------------------------------------- training
-def train_epoch(raw_model, optimizer, scheduler, outer, sent, batches, here, last_step, stop,
+def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_step, stop,
                 checkpoint, progress, args, device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
-    the stop's signal (None without one). A round ends every --local-steps steps and at the
-    training's last (`last_step`); no other step waits for another rank: it reads the stop vote
-    the step before started."""
+    the stop's signal (None without one). A round's end waits for every rank; no other step
+    does: the stop vote a step starts is read a step later, when it has long arrived."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DiLoCo: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
     timer = common.Timer(device, already=here.seconds)
     signalled = None
-    for batch, (X, y) in enumerate(batches, here.batch_in_epoch + 1):
+    for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
+        lr = scheduler.get_last_lr()[0]
         train_step(raw_model, optimizer, X, y, args, sums)
         # The learning rate of the next step.
         scheduler.step()
-        here.batch_in_epoch, here.step = batch, here.step + 1
-        if here.step % args.local_steps == 0 or here.step == last_step:
-            outer.sync(raw_model, dist.get_world_size(), sent)   # DiLoCo: a round's end
-        if here.step == progress.final_step:
+        here.batch_in_epoch += 1
+        here.step += 1
+        if outer.round_ends(here.step):
+            outer.sync(raw_model, dist.get_world_size())   # DiLoCo: a round's end
+        if here.step == final_step:
             break
-        # The last step's vote, which has arrived: no step waits for the others.
+        # The last step's vote, which has arrived: a stop, or a progress line, on every rank.
         signalled, line = stop.vote(progress.asks())   # DiLoCo: one answer on every rank
         if signalled:
             break
         if progress.due(here.step, line):
-            # DiLoCo: the epoch's sums over all ranks
-            progress.say(here, sums.total(), scheduler.get_last_lr()[0])
+            # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
+            # as common.Progress.say writes it.
+            progress.say(here, sums.total(), lr)   # DiLoCo: the sums over all ranks
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
-    if signalled or here.step == progress.final_step:
+    if signalled or here.step == final_step:
         # The vote under way is left unread: the run stops, or ends, at this step.
         stop.count()
     else:
@@ -491,7 +505,7 @@ def train(args):
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
-    outer, sent = Outer(raw_model, args.outer_lr, args.outer_momentum), collections.Counter()
+    outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step)
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, outer,
@@ -502,15 +516,15 @@ def train(args):
     if master:
         print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
               f"({backend}), global batch {args.batch_size} = {world_size} x "
-              f"{args.batch_size // world_size}, lr {optimizer.param_groups[0]['initial_lr']:g}, "
-              f"cosine after {args.warmup_epochs:g} warm-up epochs; a sync every "
-              f"{args.local_steps} step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
+              f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
+              f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
+              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
               f"{args.outer_momentum:g}", flush=True)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DiLoCo: one order, new each epoch
-        sums, seconds, signalled = train_epoch(raw_model, optimizer, scheduler, outer, sent,
-                                               train_batches, here, last_step, stop, checkpoint,
+        sums, seconds, signalled = train_epoch(raw_model, optimizer, scheduler, outer,
+                                               train_batches, here, final_step, stop, checkpoint,
                                                progress, args, device)
         # A checkpoint inside the epoch: at a stop, or at the run's last step.
         if signalled or here.batch_in_epoch < steps_per_epoch:
@@ -535,7 +549,7 @@ def train(args):
     metrics["peak_memory_bytes"] = common.every_rank(common.peak_memory(device), world_size)
     if master and metrics["epochs"]:
         say_inside_round(here.step, last_step, args)
-        sent = bytes_sent_per_step(sent, here.step - progress.first_step)
+        sent = bytes_sent_per_step(outer.sent, here.step - progress.first_step)
         common.finish(metrics, here.step, progress.spent(), outer.shared_state(raw_model), sent)
     return outer.shared_state(raw_model)
 

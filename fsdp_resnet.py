@@ -102,8 +102,10 @@ def parse_args(argv=None):
 def datasets(args):
     """(training set, test set, number of classes): replace this body with your own Datasets. Any
     whose items are (image tensor [C, H, W], label) will do: the model is made for their images'
-    shape, and the loader draws their random numbers (torch's) from (seed, epoch, index), so that
-    a resume is exact."""
+    shape. It runs on every rank, and each must make the same sets: seed whatever they draw when
+    made (torch.Generator().manual_seed(args.seed)). What an item draws as it is read (a random
+    crop, with torch's generator) the loader seeds from (seed, epoch, index), so that a resume is
+    exact."""
     if not (args.data_dir and os.path.isdir(os.path.join(args.data_dir, "train"))):
         return common.fashion_mnist(args.data_dir, args.train_samples, args.test_samples)
     size = args.image_size
@@ -259,6 +261,9 @@ class Checkpoint:
             return common.Position()
         error = found[0]
         if isinstance(found[0], tuple):
+            # The flags first: a checkpoint of other ones is refused before its shards are read.
+            here = common.resume_position(found[0][1], self.flags, self.path,
+                                          self.steps_per_epoch, final_step, self.master)
             error = self.load_shards(*found[0])
         errors = common.every_rank(error, dist.get_world_size())   # FSDP: any rank's error
         if any(errors):
@@ -266,8 +271,7 @@ class Checkpoint:
                              if self.master else 1)
         progress = found[0][1]
         self.metrics["epochs"] = progress["history"]
-        return common.resume_position(progress, self.flags, self.path, self.steps_per_epoch,
-                                      final_step, self.master)
+        return here
 
     def load_shards(self, folder, progress):
         """This rank's shards from `folder`, and the schedule: None, or what went wrong."""
@@ -442,38 +446,41 @@ def memory_format(args):
 
 
 # ---------------------------------------------------------------- training
-def train_epoch(model, optimizer, scheduler, batches, here, stop, checkpoint, progress, args,
-                device):
+def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, checkpoint, progress,
+                args, device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
-    the stop's signal (None without one). A step waits for no other rank: it reads the stop vote
-    the step before started."""
+    the stop's signal (None without one). No step waits for another rank: the stop vote a step
+    starts is read a step later, when it has long arrived."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # FSDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
     timer = common.Timer(device, already=here.seconds)
     signalled = None
-    for batch, (X, y) in enumerate(batches, here.batch_in_epoch + 1):
+    for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
+        lr = scheduler.get_last_lr()[0]
         train_step(model, optimizer, X, y, sums)
         # The learning rate of the next step.
         scheduler.step()
-        here.batch_in_epoch, here.step = batch, here.step + 1
-        if here.step == progress.final_step:
+        here.batch_in_epoch += 1
+        here.step += 1
+        if here.step == final_step:
             break
-        # The last step's vote, which has arrived: no step waits for the others.
+        # The last step's vote, which has arrived: a stop, or a progress line, on every rank.
         signalled, line = stop.vote(progress.asks())   # FSDP: one answer on every rank
         if signalled:
             break
         if progress.due(here.step, line):
-            # FSDP: the epoch's sums over all ranks
-            progress.say(here, sums.total(), scheduler.get_last_lr()[0])
+            # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
+            # as common.Progress.say writes it.
+            progress.say(here, sums.total(), lr)   # FSDP: the sums over all ranks
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
-    if signalled or here.step == progress.final_step:
+    if signalled or here.step == final_step:
         # The vote under way is left unread: the run stops, or ends, at this step.
         stop.count()
     else:
@@ -537,13 +544,13 @@ def train(args):
         print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
               f"({backend}), global batch {args.batch_size} = {world_size} x "
               f"{args.batch_size // world_size}, parameters sharded {mesh.size(mesh.ndim - 1)} "
-              f"ways{replicas}, lr {optimizer.param_groups[0]['initial_lr']:g}, cosine after "
-              f"{args.warmup_epochs:g} warm-up epochs", flush=True)
+              f"ways{replicas}, {type(optimizer).__name__} at lr "
+              f"{optimizer.param_groups[0]['initial_lr']:g}", flush=True)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # FSDP: one order, new each epoch
         sums, seconds, signalled = train_epoch(model, optimizer, scheduler, train_batches, here,
-                                               stop, checkpoint, progress, args, device)
+                                               final_step, stop, checkpoint, progress, args, device)
         # A checkpoint inside the epoch: at a stop, or at the run's last step.
         if signalled or here.batch_in_epoch < steps_per_epoch:
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=seconds))

@@ -1,7 +1,7 @@
 """Training over slow links: DiLoCo is DDP when it syncs every step, its outer step is Nesterov's,
 and it resumes inside a round; DDP's compression hooks step the fp32 way, and what the 16-bit ones
 and FSDP hand to collectives is counted right."""
-import collections, json, re
+import json, re
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ def test_diloco_outer_step_is_nesterov_on_the_pseudo_gradient_with_momentum_acro
                 g = shared[i] - replica.detach()
                 velocity[i] = 0.9 * velocity[i] + g
                 shared[i] = shared[i] - 0.7 * (g + 0.9 * velocity[i])
-            outer.sync(net, 1, collections.Counter())
+            outer.sync(net, 1)
             for replica, expected, kept in zip(net.parameters(), shared, outer.params):
                 assert (replica.detach() - expected).abs().max().item() <= 1e-6 and torch.equal(replica, kept)
             assert all(torch.equal(b, s) for b, s in zip(net.buffers(), statistics))
