@@ -558,12 +558,16 @@ class Progress:
         self.steps = 0 if every.endswith("s") else int(every)
         self.final_step, self.global_batch, self.master = final_step, global_batch, master
         self.first_step = self.last_step = step
-        self.started = self.last_time = time.perf_counter()
+        self.started = self.last_time = self.asked_at = time.perf_counter()
 
     def asks(self):
-        """Whether rank 0 asks for a line after this step: its time has come."""
-        waited = time.perf_counter() - self.last_time
-        return self.master and self.seconds > 0 and waited >= self.seconds
+        """Whether rank 0 asks for a line after this step: it last asked `seconds` ago. (The line
+        comes a step later, when the vote that carries the ask is read.)"""
+        now = time.perf_counter()
+        if not (self.master and self.seconds > 0 and now - self.asked_at >= self.seconds):
+            return False
+        self.asked_at = now
+        return True
 
     def due(self, step, voted):
         """Whether this step prints: every N steps, or when the vote says rank 0 asked."""

@@ -2,7 +2,7 @@
 derives from), resumes exactly, says a bad input in one line; and each runs copied with only the
 files it imports. `bash run_all.sh test quick` runs this file alone; `bash run_all.sh test` adds
 tests/ (faults, own data, several machines, slow links, the README), whose helpers.py this imports."""
-import argparse, ast, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback, warnings
+import argparse, json, math, os, re, shutil, socket, subprocess, sys, threading, traceback
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ import scratch_lenet
 import scratch_ring
 from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, LENET_PARAMS, OFFLINE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok,
-                     assert_same_weights, assert_toy_evaluated_once, epoch_batches, fashion_resnet, free_port,
-                     images_counted, load_model, resnet_reference, run, scratch_ring_trains_like_one_device)
+                     assert_same_weights, assert_toy_evaluated_once, copy_set, epoch_batches, fashion_resnet,
+                     free_port, load_model, resnet_reference, run, scratch_ring_trains_like_one_device)
 from helpers import (fashion_mnist, launcher_variables_kept, resnet_tolerance,   # noqa: F401  (fixtures)
                      scratch_one_replica, toy_one_rank)
 
@@ -281,71 +281,6 @@ def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, f
     assert len(steps) == 4, events
     between = [events[a + 1:b] for a, b in zip(steps, steps[1:])]
     assert between == [[], [], []], events
-
-
-def test_the_gpu_defaults_autotune_and_evaluate_as_the_training_runs(monkeypatch, tmp_path):
-    """As on a GPU (tests/as_on_a_gpu.py): cuDNN's autotuner is on (every batch has one shape), and off with
-    --deterministic; the evaluation's forwards run in the training's bf16 autocast and channels_last
-    layout; under --compile the evaluation runs the bare model compiled (torch.compile recorded here, not run);
-    DDP's warning of stride "mismatches" is silenced for dimensions of size 1 alone (pytorch#47163)."""
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT="0").items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
-    seen, compiled = [], []
-    real_resnet = common.resnet
-    def resnet(*args, **kwargs):
-        net = real_resnet(*args, **kwargs)
-        net.register_forward_pre_hook(lambda m, inputs: seen.append(
-            (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1)))   # channels_last
-        return net
-    monkeypatch.setattr(common, "resnet", resnet)
-    monkeypatch.setattr(torch, "compile", lambda module, **options: compiled.append(module) or module)
-    size_1 = ("Grad strides do not match bucket view strides. This may indicate grad was not created according to "
-              "the gradient layout contract.\ngrad.sizes() = [64, 1, 3, 3], strides() = [9, 1, 3, 1]\n"
-              "bucket_view.sizes() = [64, 1, 3, 3], strides() = [9, 9, 3, 1]")
-    from PIL import Image
-    for split in ("train", "val"):   # colour images: channels_last is another layout only with several channels
-        for label in ("a", "b"):
-            (tmp_path / "rgb" / split / label).mkdir(parents=True)
-            for i in range(8):
-                Image.new("RGB", (28, 28), (i, 20 * i, 30)).save(tmp_path / "rgb" / split / label / f"{i}.png")
-    folder = ["--data-dir", str(tmp_path / "rgb"), "--image-size", "28", "--workers", "0", "--batch-size", "8",
-              "--epochs", "1"]
-    with warnings.catch_warnings(record=True) as caught:
-        for flags, autotuned in ((["--amp", "--channels-last", "--compile"], True), (["--deterministic"], False)):
-            seen.clear()
-            with as_on_a_gpu(monkeypatch, 1):
-                with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
-                    ddp_resnet.main(folder + flags + ["--out", str(tmp_path / "out")])
-            assert torch.backends.cudnn.benchmark == autotuned and torch.backends.cudnn.deterministic != autotuned
-            evaluated = [forward for forward in seen if not forward[0]]
-            assert evaluated and set(evaluated) == {(False, autotuned, autotuned)}, seen
-        warnings.warn(size_1)
-        warnings.warn(size_1.replace("[64, 1, 3, 3]", "[64, 2, 3, 3]"))
-    assert [str(w.message)[-40:] for w in caught if "Grad strides" in str(w.message)] == [size_1[-40:].replace("1, 3, 3]", "2, 3, 3]")]
-    assert [type(m).__name__ for m in compiled] == ["DistributedDataParallel", "ResNet"]
-
-
-@pytest.mark.parametrize("page", ["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
-def test_two_ranks_on_one_gpu_are_refused_before_nccl_in_one_line(page, tmp_path):
-    """Two processes a launcher showed the same GPU (CUDA_VISIBLE_DEVICES=0 for both, taken at its word): the
-    first NCCL call would fail with NCCL's "Duplicate GPU detected"; the ranks compare (host, GPU UUID) over
-    gloo first, and one line names the host and the GPU."""
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "shared-gpu",
-                  page] + RESNET + ["--out", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
-    assert result.returncode != 0
-    line = f"rank 0: error: ranks 0 and 1 are both on GPU GPU-8b3c of {socket.gethostname()}: start at most one " \
-           f"process per GPU, or let them share it: --backend gloo"
-    assert result.stderr.count(line) == 1 and "Duplicate GPU" not in result.stderr, result.stderr[-3000:]
-    assert f"{page}:" not in result.stdout
-
-
-def test_the_test_loaders_workers_stay_from_one_evaluation_to_the_next():
-    images = torch.utils.data.Subset(torch.utils.data.TensorDataset(torch.zeros(10, 1, 2, 2)), range(10))
-    assert common.test_loader(images, 0, 1, torch.device("cpu"), workers=2).persistent_workers
-    assert not common.test_loader(images, 0, 1, torch.device("cpu")).persistent_workers
 
 
 def test_dataparallel_amp_is_bfloat16_in_every_replica_thread():
@@ -769,22 +704,6 @@ SCRIPTS = ("scratch_lenet", "scratch_ring", "ddp_toy", "dp_resnet", "ddp_resnet"
            "ft_ddp_resnet")
 
 
-def copy_set(script):
-    """The script and the files of this folder it imports, followed from their import lines."""
-    found, todo = set(), [script]
-    while todo:
-        name = todo.pop()
-        if name in found or not os.path.isfile(os.path.join(HERE, name + ".py")):
-            continue
-        found.add(name)
-        for node in ast.walk(ast.parse(open(os.path.join(HERE, name + ".py")).read())):
-            if isinstance(node, ast.Import):
-                todo += [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                todo.append(node.module.split(".")[0])
-    return sorted(found)
-
-
 @pytest.mark.parametrize("script, flags", [
     ("scratch_lenet", SMALL + ["--max-steps", "2"]), ("scratch_ring", SMALL + ["--max-steps", "2"]),
     ("ddp_toy", ["--world-size", "1", "--epochs", "1", "--train-samples", "200", "--test-samples", "50"]),
@@ -819,62 +738,6 @@ def test_each_script_is_copied_with_common_alone(script):
     for name in copy_set(script):
         long = [n for n, line in enumerate(open(os.path.join(HERE, name + ".py")), 1) if len(line.rstrip("\n")) > 120]
         assert long == [], f"{name}.py: lines over 120 characters: {long}"
-
-
-def torch_names(tree):
-    """The local names bound to torch or one of its modules in a file, by its import lines."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
-                      if alias.name.split(".")[0] == "torch"}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
-            names |= {alias.asname or alias.name for alias in node.names}
-    return names
-
-
-def torch_problems(path):
-    """Private torch names and assignments into torch in one file, as "file:line: what"."""
-    name, problems = os.path.basename(path), []
-    tree = ast.parse(open(path).read())
-    torch_bound = torch_names(tree)
-    def chain(node):   # ["torch", "distributed", "_x"] for an attribute chain rooted at a name
-        parts = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        return [node.id] + parts[::-1] if isinstance(node, ast.Name) else []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
-            private = [p for p in node.module.split(".") + [a.name for a in node.names] if p.startswith("_")]
-            if private:
-                problems.append(f"{name}:{node.lineno}: from {node.module} import {private}")
-        parts = chain(node) if isinstance(node, ast.Attribute) else []
-        if parts and parts[0] in torch_bound:
-            if any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:]):
-                problems.append(f"{name}:{node.lineno}: {'.'.join(parts)}")
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                parts = chain(target) if isinstance(target, ast.Attribute) else []
-                if parts and ((parts[0] in torch_bound and parts[:2] != ["torch", "backends"])
-                              or parts[-1] in torch_bound):   # torch's objects, or a module's `dist` replaced
-                    problems.append(f"{name}:{node.lineno}: assigns {'.'.join(parts)}")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and (
-                (chain(node.args[0]) or [""])[0] in torch_bound):
-            problems.append(f"{name}:{node.lineno}: setattr on {'.'.join(chain(node.args[0]))}")
-    return problems
-
-
-def test_what_the_scripts_import_uses_torch_only_through_public_names_and_patches_nothing():
-    """In every file a script is copied with: no torch name that starts with an underscore (the
-    private API, which a release may rename), and no assignment into torch or a torch object
-    bound by import, nor of a name that torch is imported as (monkeypatching). One kind of
-    assignment is torch's documented interface: the switches of torch.backends (cudnn.allow_tf32),
-    properties that call into torch."""
-    files = sorted({name for script in SCRIPTS for name in copy_set(script)})
-    assert files == ["common", "ddp_resnet", "ddp_toy", "diloco_resnet", "dp_resnet", "fsdp_resnet", "ft_ddp_resnet",
-                     "scratch_lenet", "scratch_ring"]
-    assert [p for name in files for p in torch_problems(os.path.join(HERE, name + ".py"))] == []
 
 
 # ---------------------------------------------------------------- ft_ddp_resnet.py: the coordinator's decisions

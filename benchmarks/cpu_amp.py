@@ -32,8 +32,9 @@ def cpu():
     return f"{name}, {os.cpu_count()} cores, bf16 units: {', '.join(units)}"
 
 
-def run(command, out):
-    """(seconds from the command to its exit, the epoch's samples/s, its seconds, the test accuracy)."""
+def run(command, out, logs=None):
+    """(seconds from the command to its exit, the epoch's samples/s, its seconds, the test accuracy);
+    the run's output kept in the folder `logs`, if given."""
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone"] + command +
                             ["--data-dir", os.path.join(ROOT, "data"), "--out", out], cwd=ROOT,
@@ -41,6 +42,10 @@ def run(command, out):
     seconds = time.perf_counter() - start
     if result.returncode:
         sys.exit(result.stderr[-3000:])
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+        with open(os.path.join(logs, os.path.basename(out) + ".log"), "w") as f:
+            f.write(result.stdout)
     epoch = json.load(open(os.path.join(out, "metrics.json")))["epochs"][-1]
     return seconds, epoch["samples_per_s"], epoch["seconds"], epoch["test_acc"]
 
@@ -49,6 +54,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3, help="runs each way of the first command")
     p.add_argument("--full", action="store_true", help="also one epoch of the full run each way")
+    p.add_argument("--logs", help="a folder for each run's output")
     args = p.parse_args()
     import torch
     print(f"{cpu()}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -58,7 +64,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             for flags in ([], FAST):
-                result = run(FIRST + ["--seed", str(seed)] + flags, os.path.join(tmp, f"{seed}{len(flags)}"))
+                result = run(FIRST + ["--seed", str(seed)] + flags, os.path.join(tmp, f"first-seed{seed}-{len(flags)}"),
+                             args.logs)
                 rows[" ".join(flags) or "default"].append(result)
                 print(f"{seed:4d} {' '.join(flags) or 'default':>24} {result[0]:11.1f} {result[1]:10.1f} "
                       f"{result[3]:9.4f}", flush=True)
@@ -70,7 +77,7 @@ def main():
             print(f"full run, one epoch: torchrun --standalone {' '.join(FULL)} [{' '.join(FAST)}]")
             epochs = {}
             for flags in ([], FAST):
-                result = run(FULL + flags, os.path.join(tmp, f"full{len(flags)}"))
+                result = run(FULL + flags, os.path.join(tmp, f"full-{len(flags)}"), args.logs)
                 epochs[" ".join(flags) or "default"] = result
                 print(f"  {' '.join(flags) or 'default':>24}: epoch {result[2] / 60:.1f} min, {result[1]:.1f} "
                       f"samples/s, test acc {result[3]:.4f}", flush=True)

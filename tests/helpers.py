@@ -1,7 +1,7 @@
 """What the tests share (test_scripts.py and tests/ import it): paths, the small sizes the scripts
 run at, running a README command, comparing weights, and the runs several tests compare against
 (session fixtures, each computed once even where both tiers import it)."""
-import contextlib, copy, fcntl, functools, gzip, json, math, os, shutil, signal, socket, subprocess, sys, time
+import ast, contextlib, copy, fcntl, functools, gzip, json, math, os, shutil, signal, socket, subprocess, sys, time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo root: the scripts run there
 sys.path[:0] = [HERE, os.path.join(HERE, "examples")]
 import pytest
@@ -382,3 +382,18 @@ def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     assert "checkpoint: step 2 (epoch 1 at batch 2/6)" in result.stdout
     return out / "checkpoint.pt"
 
+
+def copy_set(script):
+    """The script and the files of this folder it imports, followed from their import lines."""
+    found, todo = set(), [script]
+    while todo:
+        name = todo.pop()
+        if name in found or not os.path.isfile(os.path.join(HERE, name + ".py")):
+            continue
+        found.add(name)
+        for node in ast.walk(ast.parse(open(os.path.join(HERE, name + ".py")).read())):
+            if isinstance(node, ast.Import):
+                todo += [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                todo.append(node.module.split(".")[0])
+    return sorted(found)

@@ -350,3 +350,9 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"epoch 1 at batch {stopped_at}/6, step {stopped_at}" in resumed.stdout
     assert_same_weights(load_model(copy / "whole"), load_model(copy / "parts"), tol=1e-6)
+
+
+def test_the_test_loaders_workers_stay_from_one_evaluation_to_the_next():
+    images = torch.utils.data.Subset(torch.utils.data.TensorDataset(torch.zeros(10, 1, 2, 2)), range(10))
+    assert common.test_loader(images, 0, 1, torch.device("cpu"), workers=2).persistent_workers
+    assert not common.test_loader(images, 0, 1, torch.device("cpu")).persistent_workers

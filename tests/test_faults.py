@@ -1,7 +1,7 @@
 """Faults, preemption and bad input: checkpoints and resuming (mid-epoch, other world sizes, a
 rank that alone sees the file, crashes mid-write), signals, killed workers, timeouts, ports,
 unusable folders and numbers. Run by `bash run_all.sh test`."""
-import functools, gzip, http.server, json, os, re, shutil, signal, subprocess, sys, threading, time
+import functools, gzip, http.server, json, os, re, shutil, signal, socket, subprocess, sys, threading, time
 import pytest
 import torch
 import common
@@ -563,3 +563,16 @@ def test_world_size_larger_than_the_data_is_refused(tmp_path):
     assert "5 training samples are fewer than --batch-size 8" in result.stderr
     assert "Traceback" not in result.stderr
 
+
+@pytest.mark.parametrize("page", ["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_in_one_line(page, tmp_path):
+    """Two processes a launcher showed the same GPU (CUDA_VISIBLE_DEVICES=0 for both, taken at its word): the
+    first NCCL call would fail with NCCL's "Duplicate GPU detected"; the ranks compare (host, GPU UUID) over
+    gloo first, and one line names the host and the GPU."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "shared-gpu",
+                  page] + RESNET + ["--out", str(tmp_path)], env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode != 0
+    line = f"rank 0: error: ranks 0 and 1 are both on GPU GPU-8b3c of {socket.gethostname()}: start at most one " \
+           f"process per GPU, or let them share it: --backend gloo"
+    assert result.stderr.count(line) == 1 and "Duplicate GPU" not in result.stderr, result.stderr[-3000:]
+    assert f"{page}:" not in result.stdout

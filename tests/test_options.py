@@ -4,14 +4,16 @@ ranks, the README's first command to its accuracy, accuracy at three ranks, no p
 left at exit, the CPU path without Linux-only calls, the GPU check on a machine without GPUs, and
 the pages other than ddp_resnet.py's family: their outputs after every epoch, their test loss,
 dp_resnet.py's progress line, cuDNN settings and evaluation. Run by `bash run_all.sh test`."""
-import json, os, re, subprocess, sys
+import json, os, re, subprocess, sys, warnings
 import pytest
 import torch
 import common
+import ddp_resnet
 import ddp_toy
 import dp_resnet
 import scratch_lenet
 import scratch_ring
+from as_on_a_gpu import READ_BACK, as_on_a_gpu
 from helpers import (DATA, HERE, RESNET, RESNET_LR, SMALL, TOY, TWO_EPOCHS, assert_ok, assert_same_weights,
                      fashion_resnet, free_port, images_counted, load_model, resnet_reference, resnet_step, run,
                      scratch_ring_trains_like_one_device)
@@ -303,3 +305,63 @@ def test_dp_resnet_evaluates_in_the_trainings_precision_and_layout():
     seen.clear()
     dp_resnet.evaluate(torch.nn.DataParallel(dp_resnet.Autocast(net, False)), batches, cpu)
     assert seen == [(False, False, False)] * 2
+
+
+def test_the_gpu_defaults_autotune_and_evaluate_as_the_training_runs(monkeypatch, tmp_path):
+    """As on a GPU (tests/as_on_a_gpu.py): cuDNN's autotuner is on (every batch has one shape), and off with
+    --deterministic; the evaluation's forwards run in the training's bf16 autocast and channels_last
+    layout; under --compile the evaluation runs the bare model compiled (torch.compile recorded here, not run);
+    DDP's warning of stride "mismatches" is silenced for dimensions of size 1 alone (pytorch#47163)."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    seen, compiled = [], []
+    real_resnet = common.resnet
+    def resnet(*args, **kwargs):
+        net = real_resnet(*args, **kwargs)
+        net.register_forward_pre_hook(lambda m, inputs: seen.append(
+            (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1)))   # channels_last
+        return net
+    monkeypatch.setattr(common, "resnet", resnet)
+    monkeypatch.setattr(torch, "compile", lambda module, **options: compiled.append(module) or module)
+    size_1 = ("Grad strides do not match bucket view strides. This may indicate grad was not created according to "
+              "the gradient layout contract.\ngrad.sizes() = [64, 1, 3, 3], strides() = [9, 1, 3, 1]\n"
+              "bucket_view.sizes() = [64, 1, 3, 3], strides() = [9, 9, 3, 1]")
+    from PIL import Image
+    for split in ("train", "val"):   # colour images: channels_last is another layout only with several channels
+        for label in ("a", "b"):
+            (tmp_path / "rgb" / split / label).mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (28, 28), (i, 20 * i, 30)).save(tmp_path / "rgb" / split / label / f"{i}.png")
+    folder = ["--data-dir", str(tmp_path / "rgb"), "--image-size", "28", "--workers", "0", "--batch-size", "8",
+              "--epochs", "1"]
+    with warnings.catch_warnings(record=True) as caught:
+        for flags, autotuned in ((["--amp", "--channels-last", "--compile"], True), (["--deterministic"], False)):
+            seen.clear()
+            with as_on_a_gpu(monkeypatch, 1):
+                with pytest.raises((RuntimeError, NotImplementedError), match=READ_BACK):
+                    ddp_resnet.main(folder + flags + ["--out", str(tmp_path / "out")])
+            assert torch.backends.cudnn.benchmark == autotuned and torch.backends.cudnn.deterministic != autotuned
+            evaluated = [forward for forward in seen if not forward[0]]
+            assert evaluated and set(evaluated) == {(False, autotuned, autotuned)}, seen
+        warnings.warn(size_1)
+        warnings.warn(size_1.replace("[64, 1, 3, 3]", "[64, 2, 3, 3]"))
+    assert [str(w.message)[-40:] for w in caught if "Grad strides" in str(w.message)] == [size_1[-40:].replace("1, 3, 3]", "2, 3, 3]")]
+    assert [type(m).__name__ for m in compiled] == ["DistributedDataParallel", "ResNet"]
+
+
+def test_a_time_cadence_asks_once_an_interval_and_only_on_rank_0(monkeypatch):
+    """common.Progress with "10s": rank 0 asks for a line once 10 s have passed since it last asked, and not at the
+    next step, which prints the line the vote carried (asking there too printed two lines in a row); no other rank
+    asks, and a step count ("3") decides alone, the same on every rank."""
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    progress, other = common.Progress("10s", 0, 100, 64, True), common.Progress("10s", 0, 100, 64, False)
+    asked = []
+    for now[0] in (1.0, 9.9, 10.0, 10.3, 19.9, 20.1, 20.2):
+        asked.append((progress.asks(), other.asks()))
+    assert asked == [(False, False)] * 2 + [(True, False)] + [(False, False)] * 2 + [(True, False), (False, False)]
+    counted = common.Progress("3", 0, 100, 64, False)
+    assert [counted.due(step, voted=False) for step in range(1, 8)] == [False, False, True, False, False, True, False]

@@ -1,9 +1,9 @@
 """The README says what is true: the tests it cites exist, its commands (and those of examples/README.md) name
 files and flags that exist, and the tags that mark distribution-only lines come from the list it gives."""
-import glob, os, re, shutil, subprocess, sys
+import ast, glob, os, re, shutil, subprocess, sys
 import pytest
 import torch
-from helpers import DATA, HERE, fashion_resnet
+from helpers import DATA, HERE, copy_set, fashion_resnet
 
 SCRIPTS = ("scratch_lenet", "scratch_ring", "dp_resnet", "ddp_toy", "ddp_resnet", "fsdp_resnet", "diloco_resnet",
            "ft_ddp_resnet")
@@ -87,3 +87,59 @@ def test_the_readme_prediction_runs_beside_common_py(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("tensor([") == 2, result.stdout   # 8 predicted classes, 8 true ones
+
+
+def torch_names(tree):
+    """The local names bound to torch or one of its modules in a file, by its import lines."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def torch_problems(path):
+    """Private torch names and assignments into torch in one file, as "file:line: what"."""
+    name, problems = os.path.basename(path), []
+    tree = ast.parse(open(path).read())
+    torch_bound = torch_names(tree)
+    def chain(node):   # ["torch", "distributed", "_x"] for an attribute chain rooted at a name
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return [node.id] + parts[::-1] if isinstance(node, ast.Name) else []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            private = [p for p in node.module.split(".") + [a.name for a in node.names] if p.startswith("_")]
+            if private:
+                problems.append(f"{name}:{node.lineno}: from {node.module} import {private}")
+        parts = chain(node) if isinstance(node, ast.Attribute) else []
+        if parts and parts[0] in torch_bound:
+            if any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:]):
+                problems.append(f"{name}:{node.lineno}: {'.'.join(parts)}")
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                parts = chain(target) if isinstance(target, ast.Attribute) else []
+                if parts and ((parts[0] in torch_bound and parts[:2] != ["torch", "backends"])
+                              or parts[-1] in torch_bound):   # torch's objects, or a module's `dist` replaced
+                    problems.append(f"{name}:{node.lineno}: assigns {'.'.join(parts)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and (
+                (chain(node.args[0]) or [""])[0] in torch_bound):
+            problems.append(f"{name}:{node.lineno}: setattr on {'.'.join(chain(node.args[0]))}")
+    return problems
+
+
+def test_what_the_scripts_import_uses_torch_only_through_public_names_and_patches_nothing():
+    """In every file a script is copied with: no torch name that starts with an underscore (the
+    private API, which a release may rename), and no assignment into torch or a torch object
+    bound by import, nor of a name that torch is imported as (monkeypatching). One kind of
+    assignment is torch's documented interface: the switches of torch.backends (cudnn.allow_tf32),
+    properties that call into torch."""
+    files = sorted({name for script in SCRIPTS for name in copy_set(script)})
+    assert files == ["common", "ddp_resnet", "ddp_toy", "diloco_resnet", "dp_resnet", "fsdp_resnet", "ft_ddp_resnet",
+                     "scratch_lenet", "scratch_ring"]
+    assert [p for name in files for p in torch_problems(os.path.join(HERE, name + ".py"))] == []
