@@ -180,9 +180,8 @@ def train_step(model, optimizer, X, y, args, sums):
 def evaluate(eval_model, batches, args, device):
     """The test loss (plain cross-entropy) and accuracy over all ranks, each test image counted
     once, and that count: the bare model (compiled with --compile), in the training's precision
-    and memory layout. Every rank
-    evaluates rank 0's BatchNorm statistics, as DDP sends them before a forward (the last one
-    updated each rank's own)."""
+    and memory layout. Every rank evaluates with rank 0's BatchNorm statistics, as DDP hands them
+    to every rank before a forward: the last training forward left each rank its own."""
     for buffer in eval_model.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
     eval_model.eval()

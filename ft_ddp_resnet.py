@@ -33,9 +33,10 @@ SAME_IN_EVERY_MEMBER = ("batch_size", "micro_batch", "seed", "train_samples", "e
                         "lr", "weight_decay", "sums")
 # Compared as well, though not flags: a member that differs is told what to match.
 NOT_FLAGS = {"torch": "torch version", "threads": "OMP_NUM_THREADS", "data": "data"}
-# A --resume may change these; it refuses a checkpoint written with other values of the rest.
-MAY_CHANGE_ON_RESUME = ("out", "checkpoint", "checkpoint_every", "resume", "max_steps", "join",
-                        "init_timeout", "data_dir", "test_samples", "min_members", "print_every")
+# A --resume must repeat these, which choose the steps; any other flag (paths, logging, limits) may
+# change.
+RESUME_MUST_MATCH = ("batch_size", "micro_batch", "seed", "train_samples", "epochs", "lr",
+                     "weight_decay", "sums", "data")
 
 
 def address(text):
@@ -507,7 +508,7 @@ class Member:
             print(f"no checkpoint at {path}: this member starts from step 0 (or from its peers)",
                   flush=True)
             return
-        here = {k: v for k, v in self.checkpoint_flags.items() if k not in MAY_CHANGE_ON_RESUME}
+        here = {k: self.checkpoint_flags[k] for k in RESUME_MUST_MATCH}
         # A foreign file can raise anything, a KeyError too: said in one line, which file and why.
         try:
             saved = torch.load(path, map_location="cpu")

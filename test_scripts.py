@@ -77,7 +77,7 @@ def test_a_mistyped_data_dir_is_refused_in_one_line_and_nothing_is_made_there(ca
         said = (f"error: --data-dir {named} holds neither Fashion-MNIST ({named}/FashionMNIST/raw) nor, for the ResNet "
                 f"scripts, train/ and val/ (a subfolder of images per class)")
     assert result.stderr.strip().splitlines() == [said]
-    assert sorted(p.name for p in tmp_path.rglob("*")) == (["nope"] if case == "an empty folder" else []) + ["out"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["nope"] if case == "an empty folder" else [])
 
 
 def test_fashion_mnist_is_fetched_into_the_default_folder_only(tmp_path, monkeypatch):
@@ -94,15 +94,16 @@ def test_fashion_mnist_is_fetched_into_the_default_folder_only(tmp_path, monkeyp
 def test_curves_have_whole_epochs_on_their_axis(tmp_path, monkeypatch):
     """curves.png of 1, 3 and 12 epochs: every tick an epoch (none at 2.5), every point inside the axis (a single
     epoch's was drawn on an axis from 0.96 to 1.04)."""
+    import matplotlib.figure
     figures = []
-    class Kept(common.Figure):
+    class Kept(matplotlib.figure.Figure):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             figures.append(self)
-    monkeypatch.setattr(common, "Figure", Kept)
+    monkeypatch.setattr(matplotlib.figure, "Figure", Kept)   # common.py imports it where it draws
     for epochs in (1, 3, 12):
-        history = [{"epoch": e, "train_loss": 1 / e, "train_acc": 0.5, "test_acc": 0.5, "samples": 10, "seconds": 1.0}
-                   for e in range(1, epochs + 1)]
+        history = [{"epoch": e, "train_loss": 1 / e, "train_acc": 0.5, "test_loss": 1 / e, "test_acc": 0.5,
+                    "samples": 10, "seconds": 1.0} for e in range(1, epochs + 1)]
         metrics = {"script": "a.py", "config": {"out": str(tmp_path)}, "devices": ["cpu"], "backend": "gloo",
                    "layout": "1 process x 1 replica", "test_samples": 10, "epochs": history}
         common.finish(metrics, epochs, 1.0, {}, {})
@@ -596,7 +597,8 @@ def test_the_large_batch_recipe_flags_reach_the_optimizer_the_model_and_the_loss
         return made["optimizer"], scheduler
     def cross_entropy(logits, y, **kwargs):
         loss = real_cross_entropy(logits, y, **kwargs)
-        losses.append((logits.detach(), y, loss.detach()))
+        if "reduction" not in kwargs:   # the training's loss; the evaluation's test loss sums
+            losses.append((logits.detach(), y, loss.detach()))
         return loss
     real_resnet, real_make_optimizer, real_cross_entropy = common.resnet, ddp_resnet.make_optimizer, F.cross_entropy
     monkeypatch.setattr(common, "resnet", resnet)

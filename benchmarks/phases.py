@@ -109,8 +109,11 @@ def rank_side(flags, first_steps, notes_path):
                                "weights to the CPU)"}
         if name in outputs and finishing[0]:
             return outputs[name]
+        if name in outputs:   # each epoch's metrics.json and curves.png: the checkpoint's note says them
+            return None
         if evaluated[0]:
-            return f"epoch {epochs[0]}: its line, the checkpoint ({name}: gathered, saved, synced)"
+            return (f"epoch {epochs[0]}: its line, metrics.json, curves.png, the checkpoint ({name}: gathered, "
+                    f"saved, synced)")
         return f"epoch {epochs[0] + 1}: steps, then a checkpoint ({name}) at step {steps[0]}"
 
     wrap(common, "pick_device", after="the device (on CUDA: its context, set_device)")
