@@ -364,11 +364,19 @@ def toy_one_rank(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 @once
-def resnet_uninterrupted(tmp_path_factory):
+def resnet_uninterrupted_run(tmp_path_factory):
+    """ddp_resnet.py on 2 ranks, never stopped: its weights, and what it printed, a progress line
+    after every step (a logging flag: the training is the same without it)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(out)] + PREEMPTIBLE)
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--print-every", "1",
+                  "--out", str(out)] + PREEMPTIBLE)
     assert_ok(result)
-    return load_model(out)
+    return {"weights": load_model(out), "stdout": result.stdout}
+
+
+@pytest.fixture(scope="session")
+def resnet_uninterrupted(resnet_uninterrupted_run):
+    return resnet_uninterrupted_run["weights"]
 
 
 @pytest.fixture(scope="session")

@@ -90,25 +90,6 @@ def test_sigterm_in_an_epochs_last_step_stops_before_its_evaluation(tmp_path):
     assert "done: 7 steps" in resumed.stdout
 
 
-PROGRESS = re.compile(r"^  step +(\d+)/12  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr (\S+)  ", re.M)
-
-
-def test_a_resumed_runs_progress_lines_are_the_uninterrupted_runs(tmp_path):
-    """2 ranks, a progress line after every step. Stopped at step 4, inside epoch 1, and resumed: the lines of steps
-    5 to 11 give the epoch's loss and accuracy so far over all ranks, the steps before the stop included (rank 0
-    carries them in the checkpoint), and the learning rate, as the run that never stopped gives them."""
-    torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--print-every", "1"] + PREEMPTIBLE
-    whole = run(torchrun + ["--out", str(tmp_path / "whole")])
-    assert_ok(whole)
-    assert_ok(run(torchrun + ["--out", str(tmp_path / "parts"), "--max-steps", "4"]))
-    resumed = run(torchrun + ["--out", str(tmp_path / "parts"), "--resume"])
-    assert_ok(resumed)
-    lines = {int(line[0]): line for line in PROGRESS.findall(whole.stdout)}
-    again = {int(line[0]): line for line in PROGRESS.findall(resumed.stdout)}
-    assert sorted(lines) == list(range(1, 12)) and sorted(again) == list(range(5, 12)), resumed.stdout
-    assert [again[step] for step in range(5, 12)] == [lines[step] for step in range(5, 12)]
-
-
 def test_a_run_stopped_in_epoch_2_keeps_the_history_of_epoch_1(tmp_path):
     """metrics.json and curves.png are written after every evaluated epoch: SIGTERM in epoch 2 leaves epoch 1's
     row and its curves (and no model.pt, which is the end's); the resumed run goes on in the same files."""
@@ -127,11 +108,17 @@ def test_a_run_stopped_in_epoch_2_keeps_the_history_of_epoch_1(tmp_path):
     assert [e["epoch"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [1, 2]
 
 
-def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_uninterrupted, tmp_path):
+PROGRESS = re.compile(r"^  step +(\d+)/12  epoch (\d+)  loss (\d\.\d{4})  acc (\d\.\d{4})  lr (\S+)  ", re.M)
+
+
+def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_uninterrupted_run, tmp_path):
     """--resume with no checkpoint yet says so once and starts at step 0; --max-steps 3 stops
     inside epoch 1 and leaves a checkpoint of step 3; a cap at or below it stops at once;
     --resume --max-steps 12 (the last step of epoch 2) ends with the weights of one run. FSDP's
-    checkpoint folder is tested the same way from an image folder, in test_data.py."""
+    checkpoint folder is tested the same way from an image folder, in test_data.py. The resumed
+    run's progress lines (one after every step) are the uninterrupted run's from step 4 on: the
+    epoch's loss and accuracy so far over all ranks, the steps before the stop included (rank 0
+    carries them in the checkpoint), and the learning rate."""
     torchrun = ["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--out", str(tmp_path)] + PREEMPTIBLE
     first = run(torchrun + ["--resume", "--max-steps", "3"])
     assert_ok(first)
@@ -142,11 +129,15 @@ def test_max_steps_leaves_a_checkpoint_and_resume_ends_like_one_run(resnet_unint
     assert_ok(capped)
     assert "nothing to train" in capped.stdout and "at step 3, and this run ends at step 2" in capped.stdout
     assert "done:" not in capped.stdout
-    resumed = run(torchrun + ["--resume", "--max-steps", "12"])
+    resumed = run(torchrun + ["--resume", "--max-steps", "12", "--print-every", "1"])
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and "epoch 1 at batch 3/6, step 3" in resumed.stdout
     assert "done: 12 steps" in resumed.stdout
-    assert_same_weights(load_model(tmp_path), resnet_uninterrupted, tol=1e-6)
+    assert_same_weights(load_model(tmp_path), resnet_uninterrupted_run["weights"], tol=1e-6)
+    lines = {int(line[0]): line for line in PROGRESS.findall(resnet_uninterrupted_run["stdout"])}
+    again = {int(line[0]): line for line in PROGRESS.findall(resumed.stdout)}
+    assert sorted(lines) == list(range(1, 12)) and sorted(again) == list(range(4, 12)), resumed.stdout
+    assert [again[step] for step in range(4, 12)] == [lines[step] for step in range(4, 12)]
     assert [e["samples"] for e in json.load(open(tmp_path / "metrics.json"))["epochs"]] == [96, 96]
 
 
