@@ -550,9 +550,9 @@ class Timer:
 
 class Progress:
     """Rank 0's line inside an epoch: the step of the run's, the epoch's loss and accuracy so far
-    over all ranks, the learning rate, samples/s since the last line, the time spent and left.
-    Every N steps (`every` "100") or N seconds ("10s": rank 0's clock, which the stop vote
-    carries to the other ranks); "0": none."""
+    over all ranks, the learning rate, samples/s since the last line (or the epoch's start), the
+    time spent and left. Every N steps (`every` "100") or N seconds ("10s": rank 0's clock, which
+    the stop vote carries to the other ranks); "0": none."""
     def __init__(self, every, step, final_step, global_batch, master):
         self.seconds = float(every[:-1]) if every.endswith("s") else 0.0
         self.steps = 0 if every.endswith("s") else int(every)
@@ -574,6 +574,11 @@ class Progress:
         if self.steps:
             return step % self.steps == 0
         return voted
+
+    def new_epoch(self, step):
+        """An epoch starts at `step`: the next line's samples/s counts from here, not the
+        evaluation and checkpoint before it."""
+        self.last_step, self.last_time = step, time.perf_counter()
 
     def spent(self):
         """Seconds since the loop started."""

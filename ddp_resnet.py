@@ -136,7 +136,8 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
     biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
     scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
-    batches diverge without one), then decayed to zero along a cosine."""
+    batches diverge without one), then decayed to zero along a cosine. The schedule is counted in
+    optimizer steps: the loop steps it after each one."""
     decay = [p for p in raw_model.parameters() if p.ndim > 1]
     no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
@@ -398,6 +399,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
     if here.batch_in_epoch and dist.get_rank() == 0:   # DDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
     timer = common.Timer(device, already=here.seconds)
+    progress.new_epoch(here.step)
     signalled = None
     for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))

@@ -121,6 +121,7 @@ def train_epoch(model, optimizer, batches, here, final_step, progress, memory_fo
     """Epoch `here.epoch`'s steps, to its end or the run's last step; `here.step` moves with them.
     Returns the epoch's sums and seconds. Only a progress line reads anything back."""
     timer = common.Timer(device)
+    progress.new_epoch(here.step)
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # Both to the first GPU: DataParallel scatters X from it and gathers the logits on it.
     for X, y in batches:

@@ -496,6 +496,7 @@ class Member:
             # The next epoch's sums and seconds start from zero.
             self.progress = Progress(progress.step, history=progress.history)
             self.timer = common.Timer(self.device)
+            self.progress_line.new_epoch(progress.step)
         # After the epoch's evaluation: the checkpoint holds its record.
         if self.args.checkpoint_every and progress.step % self.args.checkpoint_every == 0:
             self.checkpoint()

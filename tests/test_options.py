@@ -365,3 +365,22 @@ def test_a_time_cadence_asks_once_an_interval_and_only_on_rank_0(monkeypatch):
     assert asked == [(False, False)] * 2 + [(True, False)] + [(False, False)] * 2 + [(True, False), (False, False)]
     counted = common.Progress("3", 0, 100, 64, False)
     assert [counted.due(step, voted=False) for step in range(1, 8)] == [False, False, True, False, False, True, False]
+
+
+def test_a_progress_lines_samples_per_s_counts_training_alone(monkeypatch, capsys):
+    """common.Progress: samples/s over the steps since the last line, or since the epoch's start (new_epoch), which the
+    pages call when an epoch's steps begin: the evaluation and checkpoint between epochs are not counted in it; the
+    time spent and left count everything."""
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    progress = common.Progress("2", 0, 8, 64, True)
+    trained = {"loss": 8.0, "correct": 4.0, "samples": 8.0}
+    now[0] = 2.0
+    progress.say(common.Position(1, 2, 2), trained, 0.1)   # 2 steps of 64 in 2 s
+    now[0] = 12.0   # the epoch ends at step 4 (in 2 s more), then 8 s of evaluation
+    progress.new_epoch(4)
+    now[0] = 13.0
+    progress.say(common.Position(2, 2, 6), trained, 0.1)   # 2 steps of 64 in 1 s
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[-2] for line in lines] == ["64 samples/s", "128 samples/s"], lines
+    assert lines[1].endswith("0:13 spent, 0:04 left"), lines
