@@ -237,12 +237,27 @@ class Seeded(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        # Any --seed, hashed to the 64 bits manual_seed takes.
-        key = hashlib.blake2b(f"{self.seed} {int(self.epoch)} {index}".encode(), digest_size=8)
         # The caller's generator is left as it was.
         with torch.random.fork_rng(devices=[], device_type="cpu"):
-            torch.default_generator.manual_seed(int.from_bytes(key.digest(), "big"))
+            torch.default_generator.manual_seed(seed_from(self.seed, int(self.epoch), index))
             return self.dataset[index]
+
+
+def seed_from(*numbers):
+    """A seed for torch's generators from any numbers (any --seed too), hashed to the 64 bits
+    manual_seed takes: other numbers, unrelated draws."""
+    key = hashlib.blake2b(" ".join(map(str, numbers)).encode(), digest_size=8)
+    return int.from_bytes(key.digest(), "big")
+
+
+def seed_the_step(seed, step, micro_batch):
+    """Seeds what a micro-batch's forward and backward draw (dropout, stochastic depth, mixup) from
+    (seed, step, its number among all ranks' micro-batches), on the CPU and every GPU: a resume
+    draws what the run never stopped would have, and the draws follow the images wherever the same
+    micro-batches are cut. Not the generators' states in the checkpoint: those are a rank's, and
+    would not survive another world size. manual_seed sets a GPU generator's seed on the host: it
+    waits for nothing."""
+    torch.manual_seed(seed_from(seed, "step", step, micro_batch))
 
 
 class ResumableSampler(DistributedSampler):
@@ -336,23 +351,37 @@ class Sums(dict):
 
 
 # ---------------------------------------------------------------- the model
-def resnet(arch, classes, seed, channels=3, image_size=224, **options):
-    """A torchvision ResNet for `channels` x `image_size` images. Up to 64 pixels: a 3x3 stride-1
-    stem and no max-pool, where torchvision's would shrink 32x32 to 8x8 at once. `options` are
-    torchvision's (zero_init_residual, ...)."""
+def classifier(arch, classes, channels=3, image_size=224, **options):
+    """torchvision's classifier `arch` (resnet18, efficientnet_b0, ...) for `channels` x
+    `image_size` images, or a refusal in one line. Its stem, the first convolution, takes
+    `channels`; up to 64 pixels it keeps the image's size (3x3, stride 1, and no ResNet max-pool),
+    where torchvision's would shrink 32x32 to 8x8 at once. `options` are torchvision's
+    (zero_init_residual, dropout, ...). Seed torch first: the same seed, the same weights."""
     import torchvision
-    # The same weights on every rank.
-    torch.manual_seed(seed)
-    net = torchvision.models.get_model(arch, num_classes=classes, **options)
-    small = image_size <= 64
-    if small or channels != 3:
-        net.conv1 = torch.nn.Conv2d(channels, net.conv1.out_channels, kernel_size=3 if small else 7,
-                                    stride=1 if small else 2, padding=1 if small else 3, bias=False)
-        # As torchvision initialises its own.
-        torch.nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-    if small:
-        net.maxpool = torch.nn.Identity()
-    return net
+    try:
+        net = torchvision.models.get_model(arch, num_classes=classes, **options)
+        name, stem = next((n, m) for n, m in net.named_modules() if isinstance(m, torch.nn.Conv2d))
+        small = image_size <= 64
+        if small or channels != 3:
+            shape = (stem.kernel_size, stem.stride, stem.padding)
+            if small:
+                shape = (3, 1, 1)
+            net.set_submodule(name, torch.nn.Conv2d(channels, stem.out_channels, *shape,
+                                                    bias=stem.bias is not None))
+            # As torchvision initialises a ResNet's.
+            torch.nn.init.kaiming_normal_(net.get_submodule(name).weight, mode="fan_out",
+                                          nonlinearity="relu")
+        if small and hasattr(net, "maxpool"):
+            net.maxpool = torch.nn.Identity()
+        # Two blank images, in evaluation mode (nothing drawn, no statistics moved): a model that
+        # cannot take these images is refused now, not at the first step.
+        with torch.no_grad():
+            logits = net.eval()(torch.zeros(2, channels, image_size, image_size))
+        assert logits.shape == (2, classes), f"it gives {tuple(logits.shape)} for 2 images"
+    except Exception as e:
+        sys.exit(f"error: --arch {arch} for {channels}x{image_size}x{image_size} images: "
+                 f"{one_line(e)}" if int(os.environ.get("RANK", 0)) == 0 else 1)
+    return net.train()
 
 
 # ---------------------------------------------------------------- a stop every rank agrees on
@@ -455,9 +484,9 @@ def resume_check(saved, here, path, master):
 
 def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
     """The position a checkpoint holds, or None when this run has nothing left to train."""
-    # BatchNorm's batch may differ: the run then goes on close to the same, said below.
-    before, now = saved["flags"].get("batchnorm_batch"), flags.get("batchnorm_batch")
-    resume_check({**saved["flags"], "batchnorm_batch": now}, flags, path, master)
+    # The micro-batches may be cut otherwise: the run then goes on close to the same, said below.
+    before, now = saved["flags"].get("micro_batches"), flags.get("micro_batches")
+    resume_check({**saved["flags"], "micro_batches": now}, flags, path, master)
     position = Position(**saved["position"])
     if position.step >= final_step:
         if master:
@@ -468,9 +497,10 @@ def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
         print(f"resumed from {path}: {position.where(steps_per_epoch)}, step {position.step}",
               flush=True)
     if master and before != now:
-        print(f"note: BatchNorm now normalises {now} images at a time, {before} "
-              f"before: the run goes on close to, not the same as, one never stopped (the same "
-              f"ranks x --accum-steps keep it the same)", flush=True)
+        print(f"note: each global batch is now cut into {now} micro-batch(es), {before} before: "
+              f"BatchNorm's statistics and what the step draws (dropout, ...) go on close to, not "
+              f"the same as, a run never stopped (the same ranks x --accum-steps keep them the "
+              f"same)", flush=True)
     return position
 
 
@@ -584,18 +614,20 @@ class Progress:
         """Seconds since the loop started."""
         return time.perf_counter() - self.started
 
-    def say(self, here, trained, lr):
-        """The line, from rank 0: `trained` is the epoch's sums so far over all ranks."""
+    def say(self, here, trained, lr, **fields):
+        """The line, from rank 0: `trained` is the epoch's sums so far over all ranks; `fields` are
+        a page's own numbers, by name (grad_norm=0.93)."""
         now = time.perf_counter()
         rate = (here.step - self.last_step) * self.global_batch / (now - self.last_time)
         spent = now - self.started
         left = spent / (here.step - self.first_step) * (self.final_step - here.step)
         self.last_step, self.last_time = here.step, now
+        more = "".join(f"  {name.replace('_', ' ')} {value:.4g}" for name, value in fields.items())
         if self.master:
             print(f"  step {here.step:{len(str(self.final_step))}d}/{self.final_step}  epoch "
                   f"{here.epoch}  loss {trained['loss'] / trained['samples']:.4f}  acc "
-                  f"{trained['correct'] / trained['samples']:.4f}  lr {lr:.4g}  {rate:,.0f} "
-                  f"samples/s  {clock(spent)} spent, {clock(left)} left", flush=True)
+                  f"{trained['correct'] / trained['samples']:.4f}  lr {lr:.4g}{more}  "
+                  f"{rate:,.0f} samples/s  {clock(spent)} spent, {clock(left)} left", flush=True)
 
 
 def clock(seconds):

@@ -10,14 +10,15 @@
 Your data goes in datasets() below: DIR holds train/ and val/, one subfolder of images per class
 (torchvision's ImageFolder, read by DataLoader workers); Fashion-MNIST is held in memory instead.
 Either way DistributedSampler gives each rank its share of the same global batches at any world
-size. The optimizer and its schedule are in make_optimizer(): SGD with momentum, the learning rate
-given for 256 samples and scaled with the global batch, warmed up, then decayed along a cosine
-(Goyal et al. 2017).
+size. Your model goes in make_model(). The optimizer and its schedule are in make_optimizer(): SGD
+with momentum, the learning rate given for 256 samples and scaled with the global batch, warmed
+up, then decayed along a cosine (Goyal et al. 2017).
 
 SIGTERM or SIGUSR1 stops every rank after the same step, with a checkpoint. --resume goes on from
-it: the same training as a run never stopped when BatchNorm normalises batches of the same size
-(the same ranks x --accum-steps); with other ranks, a close one, and the run says so. Copy it with
-common.py. Lines only DDP needs are tagged `# DDP:`.
+it: the same training as a run never stopped, BatchNorm's statistics and what the step draws
+(dropout) included, when each global batch is cut into as many micro-batches (the same ranks x
+--accum-steps); else a close one, and the run says so. Copy it with common.py. Lines only DDP
+needs are tagged `# DDP:`.
 """
 import argparse, contextlib, dataclasses, math, os, time, warnings
 import torch
@@ -52,14 +53,16 @@ training.add_argument("--weight-decay", type=common.non_negative_float, default=
                       help="on the weights, not on biases or BatchNorm")
 training.add_argument("--seed", type=int, default=0,
                       help="seeds the weights, the batch order and the augmentation")
-training.add_argument("--arch", default="resnet18",
-                      help="a torchvision ResNet (resnet18, resnet50, ...)")
+training.add_argument("--arch", default="resnet18", help="a torchvision classifier (resnet18, "
+                      "resnet50, efficientnet_b0, ...), its stem made for your images")
 training.add_argument("--image-size", type=common.positive_int, default=224,
                       help="image folders: resized and cropped to it")
 training.add_argument("--no-augment", action="store_true",
                       help="image folders: no random crop and flip")
 training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
+                      help="scale the averaged gradient down to this total norm, when above it")
 training.add_argument("--sync-bn", action="store_true",
                       help="BatchNorm statistics over all ranks (CUDA only)")
 training.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
@@ -131,6 +134,18 @@ def datasets(args):
                                 args.test_samples)
 
 
+# ---------------------------------------------------------------- your model goes here
+def make_model(args, shape, classes):
+    """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
+    own nn.Module. The page seeds torch before it (the same weights on every rank), then puts the
+    model on the device and wraps it. What its step draws (dropout, stochastic depth) is seeded
+    per micro-batch: a resume is exact."""
+    options = {}
+    if args.zero_init_residual:
+        options["zero_init_residual"] = True
+    return common.classifier(args.arch, classes, shape[0], shape[-1], **options)
+
+
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
     """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
@@ -155,14 +170,21 @@ def make_optimizer(raw_model, args, steps_per_epoch):
 
 
 # ---------------------------------------------------------------- one optimizer step
-def train_step(model, optimizer, X, y, args, sums):
-    """Forward and backward in --accum-steps micro-batches, then one optimizer step. The epoch's
-    sums grow on the device: nothing here waits for the GPU."""
+def train_step(model, optimizer, X, y, step, args, sums):
+    """Forward and backward in --accum-steps micro-batches, then one optimizer step, the averaged
+    gradient clipped first with --clip-grad-norm. The epoch's sums grow on the device: nothing here
+    waits for the GPU."""
     optimizer.zero_grad(set_to_none=True)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     for i in range(args.accum_steps):
         # Micro-batch i: every accum_steps-th sample, as rank i of that many would take them.
         X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
         last = i == args.accum_steps - 1
+        # Its number among all ranks' micro-batches seeds what it draws.
+        common.seed_the_step(args.seed, step, rank + world_size * i)   # DDP: which of them all
+        # BatchNorm's running statistics move with micro-batch 0 alone: rank 0's (DDP keeps
+        # those) holds the same images whenever ranks x --accum-steps is the same.
+        track_running_stats(model, i == 0)
         # DDP: no allreduce before the last micro-batch, which sums them all at once
         with contextlib.nullcontext() if last else model.no_sync():
             with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
@@ -174,7 +196,28 @@ def train_step(model, optimizer, X, y, args, sums):
         sums["correct"] += (logits.argmax(1) == y_micro).sum()
         # A Python number: no copy to the device.
         sums["samples"] += len(y_micro)
+    if args.clip_grad_norm:
+        # The total norm of the gradient DDP averaged, the same on every rank, before clipping.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        sums["grad_norm"] += norm
+        sums["norms"] += 1
     optimizer.step()
+
+
+def track_running_stats(model, track):
+    """Whether BatchNorm's running statistics (and their count) move with the next forward, in
+    every layer that keeps them; it normalises by the batch's own statistics either way."""
+    for module in model.modules():
+        if getattr(module, "running_mean", None) is not None:
+            module.track_running_stats = track
+
+
+def mean_norm(trained):
+    """The gradient's total norm before clipping, the mean of the epoch's steps so far over all
+    ranks, by name; nothing without --clip-grad-norm."""
+    if not trained["norms"]:
+        return {}
+    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
 
 
 @torch.no_grad()
@@ -358,10 +401,12 @@ def load_data(args, rank, world_size, device):
     return train_set, test_set, classes, train_batches, sampler, test_batches
 
 
-def make_model(args, shape, classes, device):
-    """The bare model on the device, made for `shape` images: the one whose weights are saved."""
-    raw_model = common.resnet(args.arch, classes, args.seed, channels=shape[0],
-                              image_size=shape[-1], zero_init_residual=args.zero_init_residual)
+def place_model(args, shape, classes, device):
+    """make_model()'s model, the same on every rank, on the device: the bare model, whose weights
+    are saved. With --sync-bn on CUDA its BatchNorm layers normalise over all ranks' batches."""
+    # The same seed, the same weights: DDP would broadcast rank 0's anyway.
+    torch.manual_seed(args.seed)
+    raw_model = make_model(args, shape, classes)
     if args.sync_bn and device.type == "cuda":
         # DDP: BatchNorm's statistics over all ranks' batches
         raw_model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
@@ -372,13 +417,16 @@ def make_model(args, shape, classes, device):
 
 
 def resume_flags(args, shape, train_set_size, device, world_size):
-    """What a resume must match: the training flags, the data, and the batch BatchNorm normalises
-    (with --sync-bn on CUDA all ranks' micro-batch, else this rank's)."""
-    batchnorm_batch = args.batch_size // world_size // args.accum_steps
+    """What a resume must match: the training flags, the data, and how each global batch is cut
+    into micro-batches. Micro-batch r + W*i (rank r of W, its i-th) holds the same images whenever
+    ranks x --accum-steps is the same: BatchNorm normalises them alike, and the step's draws are
+    seeded by that number. With --sync-bn (CUDA) BatchNorm normalises micro-batch i of every rank
+    together, whose images change with the world size: then the ranks count too."""
+    micro_batches = world_size * args.accum_steps
     if args.sync_bn and device.type == "cuda":
-        batchnorm_batch = args.batch_size // args.accum_steps
+        micro_batches = f"{world_size} ranks x {args.accum_steps}"
     return {**common.flags_of(training, args), "image_shape": shape,
-            "train_set_size": train_set_size, "batchnorm_batch": batchnorm_batch}
+            "train_set_size": train_set_size, "micro_batches": micro_batches}
 
 
 def memory_format(args):
@@ -394,7 +442,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). No step waits for another rank: the stop vote a step
     starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -405,7 +453,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
         lr = scheduler.get_last_lr()[0]
-        train_step(model, optimizer, X, y, args, sums)
+        train_step(model, optimizer, X, y, here.step, args, sums)
         # The learning rate of the next step.
         scheduler.step()
         here.batch_in_epoch += 1
@@ -419,7 +467,8 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         if progress.due(here.step, line):
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
-            progress.say(here, sums.total(), lr)   # DDP: the sums over all ranks
+            trained = sums.total()   # DDP: the sums over all ranks
+            progress.say(here, trained, lr, **mean_norm(trained))
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -437,7 +486,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # DDP: summed over all ranks
-    record = common.epoch_record(epoch, trained, seconds, tested)
+    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -455,7 +504,7 @@ def train(args):
     train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
         args, rank, world_size, device)
     shape = tuple(train_set[0][0].shape)
-    raw_model = make_model(args, shape, classes, device)
+    raw_model = place_model(args, shape, classes, device)
     steps_per_epoch = len(train_set) // args.batch_size
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
@@ -471,8 +520,8 @@ def train(args):
     if args.compile:
         model, eval_model = torch.compile(model), torch.compile(raw_model)
     if master:
-        print(f"ddp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
-              f"({backend}), global batch {args.batch_size} = {world_size} x "
+        print(f"ddp_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) on "
+              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
               f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), "
               f"{type(optimizer).__name__} at lr {optimizer.param_groups[0]['initial_lr']:g}",
               flush=True)

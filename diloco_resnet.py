@@ -16,7 +16,8 @@ at each sync, as in ddp_resnet.py.
 
 With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
 average of the ranks' SGD updates from the same weights is the update of their averaged gradient
-(momentum is linear too). That is the lesson's proof, and a test.
+(momentum is linear too). That is the lesson's proof, and a test. Not with --clip-grad-norm: each
+rank clips its own gradient, where DDP clips their average.
 
 Data, model, optimizer and its schedule, checkpoints and preemption as in ddp_resnet.py.
 Evaluation and model.pt use the shared weights of the last sync. A checkpoint holds the shared
@@ -50,14 +51,16 @@ training.add_argument("--weight-decay", type=common.non_negative_float, default=
                       help="on the weights, not on biases or BatchNorm")
 training.add_argument("--seed", type=int, default=0,
                       help="seeds the weights, the batch order and the augmentation")
-training.add_argument("--arch", default="resnet18",
-                      help="a torchvision ResNet (resnet18, resnet50, ...)")
+training.add_argument("--arch", default="resnet18", help="a torchvision classifier (resnet18, "
+                      "resnet50, efficientnet_b0, ...), its stem made for your images")
 training.add_argument("--image-size", type=common.positive_int, default=224,
                       help="image folders: resized and cropped to it")
 training.add_argument("--no-augment", action="store_true",
                       help="image folders: no random crop and flip")
 training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
+training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
+                      help="scale each rank's own gradient down to this total norm, when above it")
 training.add_argument("--local-steps", type=common.positive_int, default=10, help="H: inner steps "
                       "each rank takes alone between two syncs (1: every step, as DDP)")
 training.add_argument("--outer-lr", type=common.positive_float, default=0.7,
@@ -115,6 +118,15 @@ def datasets(args):
                                 args.test_samples)
 
 
+# ---------------------------------------------------------------- your model goes here
+def make_model(args, shape, classes):
+    """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
+    own nn.Module. The page seeds torch before it (every replica starts from the same weights),
+    then puts the model on the device. What its step draws (dropout, stochastic depth) is seeded
+    per rank and step: a resume is exact."""
+    return common.classifier(args.arch, classes, shape[0], shape[-1])
+
+
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
     """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
@@ -140,15 +152,23 @@ def make_optimizer(raw_model, args, steps_per_epoch):
 
 
 # ---------------------------------------------------------------- one inner step
-def train_step(model, optimizer, X, y, args, sums):
-    """This rank's step on its replica, alone: nothing is sent. The epoch's sums grow on the
-    device: nothing here waits for the GPU."""
+def train_step(model, optimizer, X, y, step, args, sums):
+    """This rank's step on its replica, alone: nothing is sent. With --clip-grad-norm this rank's
+    own gradient is clipped (DDP clips the averaged one: with clipping, --local-steps 1 is no
+    longer DDP's step). The epoch's sums grow on the device: nothing here waits for the GPU."""
     optimizer.zero_grad(set_to_none=True)
+    # What this rank's batch draws, seeded by its number among the step's batches.
+    common.seed_the_step(args.seed, step, dist.get_rank())   # DiLoCo: which of them all
     with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
         logits = model(X)
         loss = F.cross_entropy(logits, y)
     # This rank's gradient only.
     loss.backward()
+    if args.clip_grad_norm:
+        # The total norm of this replica's gradient, before clipping.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        sums["grad_norm"] += norm
+        sums["norms"] += 1
     # The inner step, of this rank's replica.
     optimizer.step()
     sums["loss"] += loss.detach() * len(y)
@@ -412,12 +432,12 @@ def load_data(args, rank, world_size, device):
     return train_set, test_set, classes, train_batches, sampler, test_batches
 
 
-def make_model(args, shape, classes, device):
-    """This rank's replica on the device, made for `shape` images: what the loop calls and whose
-    state is saved. The same seed: the same start on every rank."""
-    raw_model = common.resnet(args.arch, classes, args.seed, channels=shape[0],
-                              image_size=shape[-1])
-    return raw_model.to(device, memory_format=memory_format(args))
+def place_model(args, shape, classes, device):
+    """make_model()'s model on the device: this rank's replica, what the loop calls and whose state
+    is saved."""
+    # DiLoCo: every replica starts from the same weights
+    torch.manual_seed(args.seed)
+    return make_model(args, shape, classes).to(device, memory_format=memory_format(args))
 
 
 def resume_flags(args, shape, train_set_size):
@@ -439,7 +459,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). A round's end waits for every rank; no other step
     does: the stop vote a step starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DiLoCo: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -450,7 +470,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
         lr = scheduler.get_last_lr()[0]
-        train_step(raw_model, optimizer, X, y, args, sums)
+        train_step(raw_model, optimizer, X, y, here.step, args, sums)
         # The learning rate of the next step.
         scheduler.step()
         here.batch_in_epoch += 1
@@ -466,7 +486,8 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
         if progress.due(here.step, line):
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
-            progress.say(here, sums.total(), lr)   # DiLoCo: the sums over all ranks
+            trained = sums.total()   # DiLoCo: the sums over all ranks
+            progress.say(here, trained, lr, **mean_norm(trained))
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -484,7 +505,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # DiLoCo: summed over all ranks
-    record = common.epoch_record(epoch, trained, seconds, tested)
+    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -492,6 +513,14 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
               f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
               f"{seconds:.1f} s", flush=True)
         common.write_outputs(metrics)
+
+
+def mean_norm(trained):
+    """The gradient's total norm before clipping, the mean over the epoch's steps so far and the
+    ranks' replicas, by name; nothing without --clip-grad-norm."""
+    if not trained["norms"]:
+        return {}
+    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
 
 
 def train(args):
@@ -502,7 +531,7 @@ def train(args):
     train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
         args, rank, world_size, device)
     shape = tuple(train_set[0][0].shape)
-    raw_model = make_model(args, shape, classes, device)
+    raw_model = place_model(args, shape, classes, device)
     steps_per_epoch = len(train_set) // args.batch_size
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
@@ -516,8 +545,8 @@ def train(args):
     if here is None:
         return outer.shared_state(raw_model)
     if master:
-        print(f"diloco_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
-              f"({backend}), global batch {args.batch_size} = {world_size} x "
+        print(f"diloco_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) "
+              f"on {device} ({backend}), global batch {args.batch_size} = {world_size} x "
               f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
               f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
               f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "

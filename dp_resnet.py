@@ -153,7 +153,8 @@ def train(args):
     test_batches = common.test_loader(test_set, 0, 1, device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     # From the seed: ddp_resnet.py's initial weights.
-    raw_model = common.resnet("resnet18", classes, args.seed, channels=1, image_size=28)
+    torch.manual_seed(args.seed)
+    raw_model = common.classifier("resnet18", classes, channels=1, image_size=28)
     raw_model = raw_model.to(device, memory_format=memory_format)
     model = nn.DataParallel(Autocast(raw_model, args.amp), device_ids=gpus or None)   # DP: the wrap
     optimizer = make_optimizer(raw_model, args)

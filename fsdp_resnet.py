@@ -53,8 +53,8 @@ training.add_argument("--weight-decay", type=common.non_negative_float, default=
                       help="on the weights, not on biases or BatchNorm")
 training.add_argument("--seed", type=int, default=0,
                       help="seeds the weights, the batch order and the augmentation")
-training.add_argument("--arch", default="resnet18",
-                      help="a torchvision ResNet (resnet18, resnet50, ...)")
+training.add_argument("--arch", default="resnet18", help="a torchvision classifier (resnet18, "
+                      "resnet50, efficientnet_b0, ...), its stem made for your images")
 training.add_argument("--image-size", type=common.positive_int, default=224,
                       help="image folders: resized and cropped to it")
 training.add_argument("--no-augment", action="store_true",
@@ -62,6 +62,8 @@ training.add_argument("--no-augment", action="store_true",
 training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
 training.add_argument("--amp", action="store_true",
                       help="bfloat16 mixed precision (BatchNorm in float32)")
+training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
+                      help="scale the averaged gradient down to this total norm, when above it")
 training.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's "
                       "--nproc_per_node), replicate across nodes: only an all-reduce crosses them")
 parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
@@ -117,6 +119,16 @@ def datasets(args):
                                 args.test_samples)
 
 
+# ---------------------------------------------------------------- your model goes here
+def make_model(args, shape, classes):
+    """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
+    own nn.Module. The page seeds torch before it (every rank must make the same weights: each
+    keeps its own shard of them), then puts the model on the device and shards it by its blocks
+    (blocks() below). What its step draws (dropout, stochastic depth) is seeded per rank and
+    step: a resume is exact."""
+    return common.classifier(args.arch, classes, shape[0], shape[-1])
+
+
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
     """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
@@ -142,14 +154,22 @@ def make_optimizer(raw_model, args, steps_per_epoch):
 
 
 # ---------------------------------------------------------------- one optimizer step
-def train_step(model, optimizer, X, y, sums):
-    """Forward, backward and the update of this rank's shards. The epoch's sums grow on the
-    device: nothing here waits for the GPU."""
+def train_step(model, optimizer, X, y, step, args, sums):
+    """Forward, backward and the update of this rank's shards, the gradient clipped first with
+    --clip-grad-norm. The epoch's sums grow on the device: nothing here waits for the GPU."""
     optimizer.zero_grad(set_to_none=True)
-    logits = model(X)   # FSDP: all-gather each stage in turn
+    # What this rank's batch draws, seeded by its number among the step's batches.
+    common.seed_the_step(args.seed, step, dist.get_rank())   # FSDP: which of them all
+    logits = model(X)   # FSDP: all-gather each block in turn
     # With --amp the logits are bfloat16: the loss in float32.
     loss = F.cross_entropy(logits.float(), y)
     loss.backward()   # FSDP: gather again, then reduce-scatter
+    if args.clip_grad_norm:
+        # FSDP: the norms of this rank's shards, combined over the ranks: the whole gradient's
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.clip_grad_norm, norm)
+        sums["grad_norm"] += norm
+        sums["norms"] += 1
     optimizer.step()   # FSDP: each rank updates its shards
     sums["loss"] += loss.detach() * len(y)
     sums["correct"] += (logits.argmax(1) == y).sum()
@@ -167,7 +187,7 @@ def evaluate(model, batches, args, device):
         dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
     model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
-    # FSDP: as many forwards on every rank, each gathering the stages
+    # FSDP: as many forwards on every rank, each gathering the blocks
     for X, y in batches:
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
@@ -316,10 +336,9 @@ def device_mesh(device, world_size, processes_here, hsdp):
 
 
 def shard(raw_model, mesh, amp):
-    """FSDP: shard each residual stage, then the root (stem and last layer), in place. A stage's
-    parameters are gathered just before it runs and freed after, so that at most one stage is ever
-    whole. A model without ResNet's four stages (another --arch) is sharded by its top-level
-    blocks. A 2-D mesh (replicate, shard) makes it HSDP. Returns the sharded model."""
+    """FSDP: shard each block, then the root (the rest: a ResNet's stem and last layer), in place.
+    A block's parameters are gathered just before it runs and freed after, so that at most one
+    block is ever whole. A 2-D mesh (replicate, shard) makes it HSDP. Returns the sharded model."""
     precision = MixedPrecisionPolicy()
     if amp:
         # bf16 compute, gradients summed in fp32. BatchNorm stays fp32 (its running statistics
@@ -330,12 +349,25 @@ def shard(raw_model, mesh, amp):
                                               output_dtype=torch.bfloat16)
         for norm in [m for m in raw_model.modules() if isinstance(m, torch.nn.BatchNorm2d)]:
             fully_shard(norm, mesh=mesh, mp_policy=norm_precision)   # FSDP: each BatchNorm
-    stages = [m for m in raw_model.children() if list(m.parameters())]
-    if hasattr(raw_model, "layer4"):
-        stages = [raw_model.layer1, raw_model.layer2, raw_model.layer3, raw_model.layer4]
-    for stage in stages:
-        fully_shard(stage, mesh=mesh, mp_policy=precision)   # FSDP: each stage
+    for block in blocks(raw_model):
+        fully_shard(block, mesh=mesh, mp_policy=precision)   # FSDP: each block
     return fully_shard(raw_model, mesh=mesh, mp_policy=precision)   # FSDP: the rest
+
+
+def blocks(model):
+    """FSDP: the units to shard, the model's blocks: the outermost modules made of layers whose
+    class repeats (ResNet's BasicBlock, EfficientNet's MBConv, a transformer's layer), which
+    nn.Sequential and nn.ModuleList only hold. For your own model, return its blocks here."""
+    repeats = collections.Counter(type(m) for m in model.modules())
+    found, todo = [], list(model.children())
+    while todo:
+        module = todo.pop()
+        holder = isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList))
+        if repeats[type(module)] > 1 and list(module.children()) and not holder:
+            found.append(module)
+        else:
+            todo += module.children()
+    return found
 
 
 def bytes_sent_per_step(model, mesh, amp):
@@ -421,23 +453,25 @@ def load_data(args, rank, world_size, device):
     return train_set, test_set, classes, train_batches, sampler, test_batches
 
 
-def make_model(args, shape, classes, device, world_size):
-    """The model on the device, made for `shape` images, its parameters sharded in place: what the
-    loop calls and whose state is saved, one handle. Returns it and the mesh it is sharded over."""
+def sharded_model(args, shape, classes, device, world_size):
+    """make_model()'s model on the device, its parameters sharded in place: what the loop calls and
+    whose state is saved, one handle. Returns it and the mesh it is sharded over."""
+    # FSDP: the same weights on every rank, each keeping its own shard of them
+    torch.manual_seed(args.seed)
     # FSDP: the weights stay contiguous (fully_shard refuses others); channels-last inputs make
     # the convolutions NHWC.
-    raw_model = common.resnet(args.arch, classes, args.seed, channels=shape[0],
-                              image_size=shape[-1]).to(device)
+    raw_model = make_model(args, shape, classes).to(device)
     processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     mesh = device_mesh(device, world_size, processes_here, args.hsdp)
     return shard(raw_model, mesh, args.amp), mesh
 
 
 def resume_flags(args, shape, train_set_size, world_size):
-    """What a resume must match: the training flags, the data, and the batch BatchNorm normalises
-    (this rank's)."""
+    """What a resume must match: the training flags, the data, and how each global batch is cut
+    among the ranks: rank r's share holds the same images, which BatchNorm normalises alike and
+    whose draws are seeded by r, at the same world size."""
     return {**common.flags_of(training, args), "image_shape": shape,
-            "train_set_size": train_set_size, "batchnorm_batch": args.batch_size // world_size}
+            "train_set_size": train_set_size, "micro_batches": world_size}
 
 
 def memory_format(args):
@@ -453,7 +487,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). No step waits for another rank: the stop vote a step
     starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # FSDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -464,7 +498,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
         y = y.to(device, non_blocking=True)
         lr = scheduler.get_last_lr()[0]
-        train_step(model, optimizer, X, y, sums)
+        train_step(model, optimizer, X, y, here.step, args, sums)
         # The learning rate of the next step.
         scheduler.step()
         here.batch_in_epoch += 1
@@ -478,7 +512,8 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
         if progress.due(here.step, line):
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
-            progress.say(here, sums.total(), lr)   # FSDP: the sums over all ranks
+            trained = sums.total()   # FSDP: the sums over all ranks
+            progress.say(here, trained, lr, **mean_norm(trained))
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -496,7 +531,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # FSDP: summed over all ranks
-    record = common.epoch_record(epoch, trained, seconds, tested)
+    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -504,6 +539,14 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
               f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
               f"{seconds:.1f} s", flush=True)
         common.write_outputs(metrics)
+
+
+def mean_norm(trained):
+    """The gradient's total norm before clipping, the mean of the epoch's steps so far over all
+    ranks, by name; nothing without --clip-grad-norm."""
+    if not trained["norms"]:
+        return {}
+    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
 
 
 def report_memory(metrics, model, optimizer, mesh, device, world_size, master):
@@ -530,7 +573,7 @@ def train(args):
     train_set, test_set, classes, train_batches, sampler, test_batches = load_data(
         args, rank, world_size, device)
     shape = tuple(train_set[0][0].shape)
-    model, mesh = make_model(args, shape, classes, device, world_size)   # FSDP: sharded
+    model, mesh = sharded_model(args, shape, classes, device, world_size)   # FSDP: sharded
     steps_per_epoch = len(train_set) // args.batch_size
     final_step = min(args.max_steps or math.inf, steps_per_epoch * args.epochs)
     optimizer, scheduler = make_optimizer(model, args, steps_per_epoch)
@@ -543,8 +586,8 @@ def train(args):
         return None
     if master:
         replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
-        print(f"fsdp_resnet: {args.arch} for {shape} images, {world_size} rank(s) on {device} "
-              f"({backend}), global batch {args.batch_size} = {world_size} x "
+        print(f"fsdp_resnet: {type(model).__name__} for {shape} images, {world_size} rank(s) on "
+              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
               f"{args.batch_size // world_size}, parameters sharded {mesh.size(mesh.ndim - 1)} "
               f"ways{replicas}, {type(optimizer).__name__} at lr "
               f"{optimizer.param_groups[0]['initial_lr']:g}", flush=True)

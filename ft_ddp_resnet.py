@@ -309,8 +309,9 @@ class Member:
         if len(self.y_train) < args.batch_size:
             raise SystemExit(f"error: {len(self.y_train)} training images, fewer than "
                              f"--batch-size {args.batch_size}")
-        self.model = common.resnet("resnet18", 10, args.seed, channels=1,
-                                   image_size=28).to(self.device)
+        # The same seed, the same weights on every member.
+        torch.manual_seed(args.seed)
+        self.model = common.classifier("resnet18", 10, channels=1, image_size=28).to(self.device)
         self.steps_per_epoch = len(self.y_train) // args.batch_size
         self.final_step = min(args.max_steps or math.inf, self.steps_per_epoch * args.epochs)
         # Micro-batches in a global batch.

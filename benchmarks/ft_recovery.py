@@ -65,7 +65,8 @@ def torchft_member(lighthouse, replica, steps, timeout_s, host="127.0.0.1", batc
     import socket
     socket.gethostname = lambda: host   # torchft's checkpoint server gives its address by the host's name
     X, y = common.fashion_mnist(os.path.join(ROOT, "data"), batch * steps, 10)[0].tensors
-    net = common.resnet("resnet18", 10, 0, channels=1, image_size=28)
+    torch.manual_seed(0)
+    net = common.classifier("resnet18", 10, channels=1, image_size=28)
     flags = argparse.Namespace(lr=0.002, batch_size=batch, weight_decay=5e-4, epochs=1)
     optimizer, _ = ft_ddp_resnet.make_optimizer(net, flags, steps)   # at a constant rate
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)   # this replica group's own

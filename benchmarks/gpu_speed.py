@@ -16,7 +16,7 @@ CUDA's default is foreach), compile (torch.compile, --compile), cudagraphs (mode
 takes the loop's work around it), gpudata (the training images held in the GPU's memory, each batch indexed there),
 cudnn (torch.backends.cudnn.benchmark: cuDNN times its algorithms for each new shape, in the warm-up steps).
 
-Each row: ResNet-18 for 1x28x28 images (common.resnet), ddp_resnet.make_optimizer at lr 0.05 x batch/256, wrapped
+Each row: ResNet-18 for 1x28x28 images (common.classifier), ddp_resnet.make_optimizer at lr 0.05 x batch/256, wrapped
 in DDP over an NCCL group of one as ddp_resnet.wrap makes it, as `torchrun --nproc_per_node=1 ddp_resnet.py` runs; each
 step is ddp_resnet.train_step with the loop's work around it: the next batch from common.train_loader over 60,000
 images in the CPU's memory (random ones: the speed does not depend on the pixels), pinned and copied to the GPU
@@ -101,7 +101,8 @@ def parse_rows(text):   # "default,bf16+cl@512" -> [Row, Row]
 
 # ---------------------------------------------------------------- FLOPs, counted
 def resnet18():   # ddp_resnet.py's model for Fashion-MNIST: a 3x3 stride-1 stem and no max-pool
-    return common.resnet("resnet18", 10, 0, channels=1, image_size=28)
+    torch.manual_seed(0)
+    return common.classifier("resnet18", 10, channels=1, image_size=28)
 
 def flops_per_sample(batch=256):
     """(forward, backward) FLOPs of one training sample, counted by FlopCounterMode on the meta device (shapes

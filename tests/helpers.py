@@ -133,7 +133,8 @@ def folder_datasets(folder, image_size=28, augment=False, train_samples=None):
 
 def fashion_resnet(seed=0):
     """The ResNet-18 the scripts make for Fashion-MNIST: 1x28x28 images, a 3x3 stem, no max-pool."""
-    return common.resnet("resnet18", 10, seed, channels=1, image_size=28)
+    torch.manual_seed(seed)
+    return common.classifier("resnet18", 10, channels=1, image_size=28)
 
 
 def run(command, *, env=None, timeout=300, cwd=HERE):
@@ -211,24 +212,26 @@ def resnet_step(weights):
 
 
 def resnet_reference(shards, steps=2, lr=RESNET_LR * 16 / 256, batch_size=16, samples=64, threads=1,
-                     total_steps=None, consecutive=False, exact_mean=False):
+                     total_steps=None, consecutive=False, exact_mean=False, clip=None, norms=None):
     """Single process, by hand: per-shard BatchNorm (as each DDP rank has), gradients averaged,
     buffers from shard 0 (DDP broadcasts rank 0's). What DDP is supposed to compute. One thread,
     as each torchrun worker has (another number sums in another order inside the kernels).
     `total_steps`: the cosine's length (default: 5 epochs, ddp_resnet.py's); `consecutive`: the
     shards are the batch's consecutive pieces (ft_ddp_resnet.py's micro-batches), not every
     W-th image (DistributedSampler's shares); `exact_mean`: their gradients summed in float64,
-    the mean rounded once to float32 (ft_ddp_resnet.py's sums; an allreduce's are float32)."""
+    the mean rounded once to float32 (ft_ddp_resnet.py's sums; an allreduce's are float32); `clip`: the
+    averaged gradient clipped to that total norm (torch's clip_grad_norm_), each step's norm before it
+    appended to the list `norms`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         return _resnet_reference(shards, steps, lr, batch_size, samples, total_steps or 5 * (samples // batch_size),
-                                 consecutive, torch.float64 if exact_mean else torch.float32)
+                                 consecutive, torch.float64 if exact_mean else torch.float32, clip, norms)
     finally:
         torch.set_num_threads(before)
 
 
-def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive, sums):
+def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, consecutive, sums, clip, norms):
     X_train, y_train = common.fashion_mnist(DATA, samples, 1)[0].tensors
     net = fashion_resnet(0)
     # ddp_resnet's recipe: --lr for 256 samples, scaled to the global batch; no weight decay on
@@ -249,6 +252,8 @@ def _resnet_reference(shards, steps, lr, batch_size, samples, total_steps, conse
             p.grad = (sum(dict(r.named_parameters())[name].grad.to(sums) for r in replicas) / shards).float()
         for name, b in net.named_buffers():
             b.copy_(dict(replicas[0].named_buffers())[name])
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), clip).item())
         optimizer.step()
     return net.state_dict()
 

@@ -327,7 +327,7 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     whole = subprocess.run(torchrun + flags + ["--out", "whole"], cwd=copy, env=env, capture_output=True, text=True,
                            timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "resnet18 for (3, 32, 32) images" in whole.stdout
+    assert "ResNet for (3, 32, 32) images" in whole.stdout
     assert "note: datasets() gave 96 training samples: it does not apply --train-samples 48" in whole.stdout
     log = tmp_path / "log"
     with open(log, "w") as f:

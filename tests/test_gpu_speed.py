@@ -9,7 +9,8 @@ from helpers import DATA, assert_ok, run
 def forward_flops_from_the_layers():
     """2 x the multiply-adds of one image's forward pass, from each convolution's and linear layer's shapes:
     each output value is one dot product of a filter (in_channels x kh x kw) or a weight row."""
-    net = common.resnet("resnet18", 10, 0, channels=1, image_size=28).eval()
+    torch.manual_seed(0)
+    net = common.classifier("resnet18", 10, channels=1, image_size=28).eval()
     multiply_adds = []
     def count(layer, inputs, output):
         multiply_adds.append(output[0].numel() * layer.weight[0].numel())

@@ -75,13 +75,13 @@ def test_fsdp_channels_last_keeps_the_weights_contiguous_and_steps_the_same(tmp_
 # One run of a page, whose model records each of its forwards: (in training mode, under autocast, its input
 # channels_last, the logits' dtype); then cuDNN's two settings.
 RECORDED = """import json, sys, torch, common
-page, forwards, resnet = __import__(sys.argv[1]), [], common.resnet
+page, forwards, resnet = __import__(sys.argv[1]), [], common.classifier
 def recorded(*args, **kwargs):
     net = resnet(*args, **kwargs)
     net.register_forward_hook(lambda m, inputs, logits: forwards.append(
         (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1, str(logits.dtype))))
     return net
-common.resnet = recorded
+common.classifier = recorded
 page.main(sys.argv[2:])
 print(json.dumps([forwards, torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic]))
 """
@@ -318,13 +318,13 @@ def test_the_gpu_defaults_autotune_and_evaluate_as_the_training_runs(monkeypatch
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
     seen, compiled = [], []
-    real_resnet = common.resnet
+    real_resnet = common.classifier
     def resnet(*args, **kwargs):
         net = real_resnet(*args, **kwargs)
         net.register_forward_pre_hook(lambda m, inputs: seen.append(
             (m.training, torch.is_autocast_enabled("cpu"), inputs[0].stride(1) == 1)))   # channels_last
         return net
-    monkeypatch.setattr(common, "resnet", resnet)
+    monkeypatch.setattr(common, "classifier", resnet)
     monkeypatch.setattr(torch, "compile", lambda module, **options: compiled.append(module) or module)
     size_1 = ("Grad strides do not match bucket view strides. This may indicate grad was not created according to "
               "the gradient layout contract.\ngrad.sizes() = [64, 1, 3, 3], strides() = [9, 1, 3, 1]\n"

@@ -72,7 +72,8 @@ def fsdp_load(checkpoint, out):
     rank, world_size = join()
     device = torch.device("cpu")
     mesh = fsdp_resnet.device_mesh(device, world_size, world_size, hsdp=False)
-    other = common.resnet("resnet18", 10, 1, channels=1, image_size=28)   # other weights than those saved
+    torch.manual_seed(1)
+    other = common.classifier("resnet18", 10, channels=1, image_size=28)   # other weights than those saved
     model = fsdp_resnet.shard(other, mesh, amp=False)
     args = fsdp_resnet.parse_args(["--checkpoint", checkpoint])
     optimizer, scheduler = fsdp_resnet.make_optimizer(model, args, steps_per_epoch=1)
@@ -109,7 +110,8 @@ def fsdp_sent(hsdp):
     mesh = fsdp_resnet.device_mesh(device, world_size, shard_size, hsdp == "hsdp")
     def one_step(amp):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
-        model = fsdp_resnet.shard(common.resnet("resnet18", 10, 0, channels=1, image_size=28), mesh, amp)
+        torch.manual_seed(0)
+        model = fsdp_resnet.shard(common.classifier("resnet18", 10, channels=1, image_size=28), mesh, amp)
         computed = fsdp_resnet.bytes_sent_per_step(model, mesh, amp)
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
