@@ -506,9 +506,12 @@ def save_atomically(write, path):
 
 # ---------------------------------------------------------------- the command line
 def checked(kind, positive):
-    """An argparse type: a number of `kind`, above 0 if `positive`, else at least 0."""
+    """An argparse type: a finite number of `kind`, above 0 if `positive`, else at least 0."""
     def parse(text):
         value = kind(text)
+        # nan passes every comparison, and inf overflows what is computed from it.
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < 0 or (positive and value == 0):
             raise argparse.ArgumentTypeError(
                 f"must be {'positive' if positive else '0 or more'}, got {text}")
