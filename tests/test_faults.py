@@ -8,6 +8,7 @@ import common
 from write_images import write_images
 import ddp_resnet
 import ddp_toy
+import diloco_resnet
 import fsdp_resnet
 from helpers import (DATA, FILES, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
                      copy_fashion_mnist, fashion_resnet, folder_datasets, free_port, kill_tree, load_model, read, run,
@@ -450,6 +451,30 @@ def test_checkpoint_every_must_be_positive(capsys):
             ddp_resnet.parse_args(["--checkpoint-every", value])
         assert exit_info.value.code == 2
         assert f"argument --checkpoint-every: must be positive, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("page, keeps", [(ddp_resnet, "a file"), (fsdp_resnet, "a folder"),
+                                         (diloco_resnet, "a file")])
+def test_a_checkpoint_path_of_the_wrong_kind_is_refused_as_the_flags_are_read(page, keeps, tmp_path):
+    """--checkpoint naming a folder where the page keeps a file, or a file where FSDP keeps a folder (the DDP
+    habit): the run would say "training starts from step 0", train, and fail at its first save. Refused in one
+    line as the flags are read (main's first call), with --resume or without, nothing made in --out; a path not
+    there yet is taken (a run from step 0)."""
+    wrong, out = tmp_path / "checkpoint", tmp_path / "out"
+    if keeps == "a file":
+        wrong.mkdir()
+    else:
+        wrong.write_bytes(b"")
+    other = "a folder" if keeps == "a file" else "a file"
+    kept = "checkpoint in a file" if keeps == "a file" else "checkpoints in a folder"
+    for resume in ([], ["--resume"]):
+        with pytest.raises(SystemExit) as exit_info:
+            page.parse_args(resume + ["--checkpoint", str(wrong), "--out", str(out)])
+        said = f"error: --checkpoint {wrong} is {other}: {page.__name__}.py keeps its {kept}"
+        assert exit_info.value.code == said   # Python prints it alone and exits with 1
+    assert not out.exists()
+    new = tmp_path / "new"
+    assert page.parse_args(["--resume", "--checkpoint", str(new)]).checkpoint == str(new)
 
 
 # ---------------------------------------------------------------- joining, timeouts, ports, bad input
