@@ -491,6 +491,15 @@ def test_two_jobs_side_by_side_both_finish(tmp_path):
         assert job.returncode == 0, err[-3000:]
 
 
+def test_a_load_longer_than_the_groups_timeout_ends_with_every_rank_loaded():
+    """Each node's first rank loads the data while the others wait, then they load while it waits: scanning
+    an image folder of a million files on network storage can outlast a group's timeout (NCCL's watchdog: 10
+    minutes). Two ranks on a default group whose waits time out after 2 s, each loading for 4 s in its turn:
+    both end with what they loaded."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "slow-load"])
+    assert_ok(result)
+    assert "rank 0: loaded by rank 0" in result.stdout and "rank 1: loaded by rank 1" in result.stdout
+
 def test_fashion_mnist_is_downloaded_once_per_node(tmp_path):
     """Three ranks of one node with the default --data-dir: the node's first process downloads Fashion-MNIST
     into ./data, then the others read it (all at once, they would write the same files together). torchvision's
