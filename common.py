@@ -3,8 +3,8 @@ loaders, a stop every rank agrees on, where a run is, atomic writes and the outp
 
 Importing it defines names and does nothing else.
 """
-import argparse, contextlib, dataclasses, functools, gc, glob, hashlib, importlib.util, json
-import math, multiprocessing, os, pathlib, re, signal, socket, sys, time, traceback
+import argparse, contextlib, dataclasses, datetime, functools, gc, glob, hashlib, importlib.util
+import json, math, multiprocessing, os, pathlib, re, signal, socket, sys, time, traceback
 import torch
 import torch.distributed as dist
 # Imported before any group exists. Imported after one (as DDP, torch.compile and torchvision
@@ -100,16 +100,22 @@ def leaving_the_group():
             dist.destroy_process_group()
 
 
-def every_rank(value, world_size):
+def every_rank(value, world_size, group=None):
     """[rank 0's value, rank 1's, ...], on every rank."""
     values = [None] * world_size
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=group)
     return values
 
 
 def load_on_every_rank(load, world_size):
     """load() on each node's first process, then on its others, so that a download happens once a
-    node. A refusal (SystemExit) on any rank ends every rank at once; that rank says why."""
+    node. A refusal (SystemExit) on any rank ends every rank at once; that rank says why. The
+    ranks that wait for a load wait as long as it takes, on a gloo group of their own: a scan of
+    a million files on network storage can outlast the default group's timeout (NCCL's: 10
+    minutes)."""
+    # A day: a load is as slow as the storage. A rank that dies still ends the wait at once, as
+    # gloo sees its connection close.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     loaded = problem = None
     for first in (True, False):
         if (os.environ.get("LOCAL_RANK", "0") == "0") == first:
@@ -117,9 +123,10 @@ def load_on_every_rank(load, world_size):
                 loaded = load()
             except SystemExit as e:
                 problem = e.code
-        failed = [rank for rank, p in enumerate(every_rank(problem, world_size)) if p]
+        failed = [rank for rank, p in enumerate(every_rank(problem, world_size, group)) if p]
         if failed:
             sys.exit(problem or f"stopping: rank {failed[0]} cannot go on (its line says why)")
+    dist.destroy_process_group(group)
     return loaded
 
 
@@ -536,9 +543,12 @@ def save_atomically(write, path):
 
 # ---------------------------------------------------------------- the command line
 def checked(kind, positive):
-    """An argparse type: a number of `kind`, above 0 if `positive`, else at least 0."""
+    """An argparse type: a finite number of `kind`, above 0 if `positive`, else at least 0."""
     def parse(text):
         value = kind(text)
+        # nan passes every comparison, and inf overflows what is computed from it.
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < 0 or (positive and value == 0):
             raise argparse.ArgumentTypeError(
                 f"must be {'positive' if positive else '0 or more'}, got {text}")

@@ -112,6 +112,10 @@ def parse_args(argv=None):
         parser.error(f"argument --label-smoothing: must be at most 1, got "
                      f"{args.label_smoothing:g}")
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
+    # Taken, it would fail at the run's first save, after training.
+    if os.path.isdir(args.checkpoint):
+        raise SystemExit(f"error: --checkpoint {args.checkpoint} is a folder: ddp_resnet.py "
+                         "keeps its checkpoint in a file")
     return args
 
 

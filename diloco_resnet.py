@@ -98,6 +98,10 @@ parser.add_argument("--resume", action="store_true", help="go on from --checkpoi
 def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
+    # Taken, it would fail at the run's first save, after training.
+    if os.path.isdir(args.checkpoint):
+        raise SystemExit(f"error: --checkpoint {args.checkpoint} is a folder: diloco_resnet.py "
+                         "keeps its checkpoint in a file")
     return args
 
 

@@ -97,6 +97,10 @@ parser.add_argument("--resume", action="store_true", help="go on from the newest
 def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint")
+    # Taken, it would fail at the run's first save, after training.
+    if os.path.isfile(args.checkpoint):
+        raise SystemExit(f"error: --checkpoint {args.checkpoint} is a file: fsdp_resnet.py "
+                         "keeps its checkpoints in a folder")
     return args
 
 

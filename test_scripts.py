@@ -699,6 +699,31 @@ def test_zero_or_negative_numbers_are_refused(script, flag, value, capsys):
     assert f"argument {flag}: must be positive, got {value}" in capsys.readouterr().err
 
 
+# Every float flag of every page, read from its parser, with the flags the parser requires.
+JOIN, SERVE = ["--join", "127.0.0.1:1"], ["--serve", "127.0.0.1:1"]
+FLOAT_FLAGS = ([(ddp_resnet, [], f) for f in ("--lr", "--warmup-epochs", "--label-smoothing", "--weight-decay")] +
+               [(fsdp_resnet, [], f) for f in ("--lr", "--warmup-epochs", "--weight-decay")] +
+               [(diloco_resnet, [], f) for f in ("--lr", "--warmup-epochs", "--weight-decay", "--outer-lr",
+                                                 "--outer-momentum")] +
+               [(dp_resnet, [], "--lr"), (ddp_toy, [], "--lr"), (scratch_lenet, [], "--lr"),
+                (scratch_ring, [], "--lr"), (scratch_ring, [], "--bucket-kb")] +
+               [(ft, JOIN, f) for f in ("--lr", "--weight-decay", "--init-timeout")] +
+               [(ft, SERVE, "--member-timeout")])
+
+
+@pytest.mark.parametrize("script, required, flag", FLOAT_FLAGS, ids=[s.__name__ + f for s, _, f in FLOAT_FLAGS])
+def test_numbers_that_are_not_finite_are_refused(script, required, flag, capsys):
+    """nan passes every comparison with 0 (a run would train on NaNs) and inf overflows (the warm-up's
+    steps): each is refused as the flags are read, with -inf; a finite number still parses."""
+    for value in ("nan", "inf", "-inf"):
+        with pytest.raises(SystemExit) as exit_info:
+            script.parse_args(required + [f"{flag}={value}"])
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: must be a finite number, got {value}" in capsys.readouterr().err
+    args = script.parse_args(required + [flag, "0.5"])
+    assert getattr(args, flag[2:].replace("-", "_")) == 0.5
+
+
 
 # ---------------------------------------------------------------- each script copied with only what it imports
 SCRIPTS = ("scratch_lenet", "scratch_ring", "ddp_toy", "dp_resnet", "ddp_resnet", "fsdp_resnet", "diloco_resnet",

@@ -8,6 +8,7 @@ import common
 from write_images import write_images
 import ddp_resnet
 import ddp_toy
+import diloco_resnet
 import fsdp_resnet
 from helpers import (DATA, FILES, HERE, OFFLINE, PREEMPTIBLE, RESNET, assert_ok, assert_same_weights, children_of,
                      copy_fashion_mnist, fashion_resnet, folder_datasets, free_port, kill_tree, load_model, read, run,
@@ -454,6 +455,30 @@ def test_checkpoint_every_must_be_positive(capsys):
         assert f"argument --checkpoint-every: must be positive, got {value}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("page, keeps", [(ddp_resnet, "a file"), (fsdp_resnet, "a folder"),
+                                         (diloco_resnet, "a file")])
+def test_a_checkpoint_path_of_the_wrong_kind_is_refused_as_the_flags_are_read(page, keeps, tmp_path):
+    """--checkpoint naming a folder where the page keeps a file, or a file where FSDP keeps a folder (the DDP
+    habit): the run would say "training starts from step 0", train, and fail at its first save. Refused in one
+    line as the flags are read (main's first call), with --resume or without, nothing made in --out; a path not
+    there yet is taken (a run from step 0)."""
+    wrong, out = tmp_path / "checkpoint", tmp_path / "out"
+    if keeps == "a file":
+        wrong.mkdir()
+    else:
+        wrong.write_bytes(b"")
+    other = "a folder" if keeps == "a file" else "a file"
+    kept = "checkpoint in a file" if keeps == "a file" else "checkpoints in a folder"
+    for resume in ([], ["--resume"]):
+        with pytest.raises(SystemExit) as exit_info:
+            page.parse_args(resume + ["--checkpoint", str(wrong), "--out", str(out)])
+        said = f"error: --checkpoint {wrong} is {other}: {page.__name__}.py keeps its {kept}"
+        assert exit_info.value.code == said   # Python prints it alone and exits with 1
+    assert not out.exists()
+    new = tmp_path / "new"
+    assert page.parse_args(["--resume", "--checkpoint", str(new)]).checkpoint == str(new)
+
+
 # ---------------------------------------------------------------- joining, timeouts, ports, bad input
 def test_two_jobs_side_by_side_both_finish(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -467,6 +492,15 @@ def test_two_jobs_side_by_side_both_finish(tmp_path):
         _, err = job.communicate(timeout=300)
         assert job.returncode == 0, err[-3000:]
 
+
+def test_a_load_longer_than_the_groups_timeout_ends_with_every_rank_loaded():
+    """Each node's first rank loads the data while the others wait, then they load while it waits: scanning
+    an image folder of a million files on network storage can outlast a group's timeout (NCCL's watchdog: 10
+    minutes). Two ranks on a default group whose waits time out after 2 s, each loading for 4 s in its turn:
+    both end with what they loaded."""
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "tests/torchrun_checks.py", "slow-load"])
+    assert_ok(result)
+    assert "rank 0: loaded by rank 0" in result.stdout and "rank 1: loaded by rank 1" in result.stdout
 
 def test_fashion_mnist_is_downloaded_once_per_node(tmp_path):
     """Three ranks of one node with the default --data-dir: the node's first process downloads Fashion-MNIST

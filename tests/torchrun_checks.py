@@ -1,8 +1,8 @@
 """Checks that the tests start under torchrun, one per command:
 `torchrun --nproc_per_node=2 tests/torchrun_checks.py ring-check` (or overlap-order, fsdp-load
 CHECKPOINT OUT, fsdp-sent flat|hsdp, threads-left SCRIPT ARGS..., hook-sent SCRIPT ARGS...,
-slow-checkpoint SCRIPT ARGS..., shared-gpu SCRIPT ARGS...), from the repo root."""
-import atexit, gc, os, sys, time, types
+slow-checkpoint SCRIPT ARGS..., shared-gpu SCRIPT ARGS..., slow-load), from the repo root."""
+import atexit, datetime, gc, os, sys, time, types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root: the scripts
 import torch
 import torch.distributed as dist
@@ -189,8 +189,24 @@ def shared_gpu(script, *argv):
     __import__(script).main(list(argv))
 
 
+def slow_load():
+    """Under torchrun: common.load_on_every_rank with a load of 4 s on every rank, in turn (the
+    node's first rank, then the others), on a default group whose waits time out after 2 s: each
+    rank says what it loaded."""
+    rank, world_size = join()
+    # Set once both are here: a start slower than 2 s is not what is tested.
+    dist.barrier()
+    dist.set_timeout(datetime.timedelta(seconds=2))
+    def load():
+        time.sleep(4)
+        return f"loaded by rank {rank}"
+    print(f"rank {rank}: {common.load_on_every_rank(load, world_size)}", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     checks = {"ring-check": ring_check, "overlap-order": overlap_order, "fsdp-load": fsdp_load,
               "threads-left": threads_left, "fsdp-sent": fsdp_sent, "hook-sent": hook_sent,
-              "slow-checkpoint": slow_checkpoint, "shared-gpu": shared_gpu}
+              "slow-checkpoint": slow_checkpoint, "shared-gpu": shared_gpu,
+              "slow-load": slow_load}
     checks[sys.argv[1]](*sys.argv[2:])
