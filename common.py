@@ -4,7 +4,8 @@ loaders, a stop every rank agrees on, where a run is, atomic writes and the outp
 Importing it defines names and does nothing else.
 """
 import argparse, contextlib, dataclasses, datetime, functools, gc, glob, hashlib, importlib.util
-import json, math, multiprocessing, os, pathlib, re, signal, socket, sys, time, traceback
+import json, math, multiprocessing, os, pathlib, re, signal, socket, subprocess, sys, time
+import traceback
 import torch
 import torch.distributed as dist
 # Imported before any group exists. Imported after one (as DDP, torch.compile and torchvision
@@ -17,8 +18,34 @@ from torch.utils.data import TensorDataset
 
 
 # ---------------------------------------------------------------- the device and the group
+def ranks_from_srun():
+    """Inside an srun step of several tasks and without torchrun's variables, the step's tasks as
+    torchrun's ranks: srun then starts one group, not a training per task. An sbatch or salloc
+    shell sets SLURM_NTASKS too, but no SLURM_STEP_NUM_TASKS."""
+    env = os.environ
+    if "RANK" in env or env.get("SLURM_STEP_NUM_TASKS", "1") == "1":
+        return
+    # "2(x3),1": two tasks on each of the step's first three nodes, one on the fourth.
+    tasks_per_node = []
+    for tasks, nodes in re.findall(r"(\d+)(?:\(x(\d+)\))?", env["SLURM_STEP_TASKS_PER_NODE"]):
+        tasks_per_node += [tasks] * int(nodes or 1)
+    # Rank 0's node is the step's first, at the address SLURM uses for it (NodeAddr): a hostname
+    # may resolve to a loopback address. scontrol shows the nodes in the step's order.
+    nodes = subprocess.check_output(["scontrol", "show", "node", env["SLURM_STEP_NODELIST"]],
+                                    text=True)
+    # A port of the job and the step, below Linux's ephemeral ports (32768 and up): two jobs on
+    # one node, or two steps of one job, rarely share one.
+    port = 10000 + (int(env["SLURM_JOB_ID"]) + 1000 * int(env["SLURM_STEP_ID"])) % 20000
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env["SLURM_LOCALID"],
+               WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"],
+               LOCAL_WORLD_SIZE=tasks_per_node[int(env["SLURM_NODEID"])],
+               MASTER_ADDR=re.search(r"NodeAddr=(\S+)", nodes)[1], MASTER_PORT=str(port))
+
+
 def default_to_one_process():
-    """Started without a launcher: a group of one, on a port the OS picks."""
+    """Inside an srun step of several tasks, its tasks; else, started without a launcher, a group
+    of one, on a port the OS picks."""
+    ranks_from_srun()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="0")

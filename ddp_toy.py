@@ -2,6 +2,7 @@
 
     python ddp_toy.py                          # starts --world-size processes itself (free port)
     torchrun --nproc_per_node=4 ddp_toy.py     # or let torchrun start them
+    srun -n 4 python ddp_toy.py                # or SLURM: its tasks are the ranks
 
 Lines that exist only because of DDP are tagged `# DDP:`.
 """
@@ -171,7 +172,9 @@ def run_rank(local_rank, args):
 @record
 def main(argv=None):
     args = parse_args(argv)
-    # DDP: torchrun (or a user) already started the processes.
+    # DDP: torchrun, srun (a step of several tasks: they are the ranks) or a user already started
+    # the processes.
+    common.ranks_from_srun()
     if "RANK" in os.environ:
         with common.leaving_the_group():   # DDP: leaves the group afterwards
             return train(args)

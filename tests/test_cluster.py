@@ -202,6 +202,60 @@ def test_slurm_job_that_asked_for_gpus_and_sees_none_stops_saying_so(tmp_path):
     assert "ddp_resnet:" not in read(log) and not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(NO_SLURM is not None or NO_CLUSTER is not None, reason=str(NO_SLURM or NO_CLUSTER))
+def test_srun_of_several_tasks_trains_one_group(toy_one_rank, resnet_tolerance, tmp_path):
+    """`srun -n 2 python ddp_resnet.py` and `srun -n 3 python ddp_toy.py`, no torchrun: the step's tasks are one
+    group's ranks, not a training each writing one --out. The nodes have their own addresses and a hostname that
+    resolves to a loopback address; ddp_toy.py's 3 tasks span both nodes (2 and 1), so rank 2 reaches rank 0 at its
+    node's NodeAddr."""
+    srun = ["srun", "--time=5", "--export=ALL,GLOO_SOCKET_IFNAME=eth0"]
+    with simulated_cluster.SimulatedCluster(2) as cluster, local_slurm.LocalSlurm(cluster=cluster) as slurm:
+        resnet = slurm.run(*srun, "-n", "2", sys.executable, "ddp_resnet.py", "--out", str(tmp_path / "resnet"),
+                           *RESNET, check=False, cwd=HERE)
+        toy = slurm.run(*srun, "-n", "3", sys.executable, "ddp_toy.py", "--out", str(tmp_path / "toy"), *TOY,
+                        check=False, cwd=HERE)
+    assert_ok(resnet)
+    assert resnet.stdout.count("ddp_resnet: ") == 1 and "2 rank(s)" in resnet.stdout, resnet.stdout[-3000:]
+    assert json.load(open(tmp_path / "resnet" / "metrics.json"))["world_size"] == 2
+    assert_same_weights(load_model(tmp_path / "resnet"), resnet_reference(2), tol=resnet_tolerance)
+    assert_ok(toy)
+    assert toy.stdout.count("done: ") == 1 and " on 3 x cpu " in toy.stdout, toy.stdout[-3000:]
+    assert_same_weights(load_model(tmp_path / "toy"), toy_one_rank)
+
+
+def test_srun_tasks_become_torchruns_ranks_and_nothing_else_does(monkeypatch):
+    """common.ranks_from_srun, through default_to_one_process: in an srun step of 7 tasks, 2 on each of 3 nodes
+    and 1 on a fourth, the task's rank, its node's count and the first node's NodeAddr (from scontrol) with a port
+    of the job and step. Left alone: an sbatch or salloc shell (SLURM_NTASKS, no step), a step of one task (a group
+    of one), torchrun's processes inside a step (RANK set)."""
+    asked = []
+    nodes = "NodeName=node3 Arch=x86_64\n   NodeAddr=10.0.0.3 NodeHostName=vm\n\nNodeName=node4\n   NodeAddr=10.0.0.4\n"
+    monkeypatch.setattr(subprocess, "check_output", lambda command, **_: asked.append(command) or nodes)
+    step = dict(SLURM_NTASKS="7", SLURM_STEP_NUM_TASKS="7", SLURM_STEP_TASKS_PER_NODE="2(x3),1",
+                SLURM_STEP_NODELIST="node[3-6]", SLURM_NODEID="2", SLURM_PROCID="5", SLURM_LOCALID="1",
+                SLURM_JOB_ID="4321", SLURM_STEP_ID="2")
+    one_process = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT="0")
+    torchrun = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.3",
+                    MASTER_PORT="29500")
+    cases = [({**step}, dict(RANK="5", LOCAL_RANK="1", WORLD_SIZE="7", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.3",
+                             MASTER_PORT="16321")),   # 10000 + (4321 + 1000 x 2) % 20000
+             ({**step, "SLURM_NODEID": "3", "SLURM_PROCID": "6", "SLURM_LOCALID": "0"},
+              dict(RANK="6", LOCAL_RANK="0", WORLD_SIZE="7", LOCAL_WORLD_SIZE="1", MASTER_ADDR="10.0.0.3",
+                   MASTER_PORT="16321")),
+             (dict(SLURM_NTASKS="2", SLURM_PROCID="0", SLURM_JOB_ID="4321"), one_process),
+             ({**step, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}, one_process),
+             ({**step, **torchrun}, torchrun)]
+    for variables, expected in cases:
+        for name in (*one_process, *step):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        common.default_to_one_process()
+        assert {name: os.environ[name] for name in one_process} == expected, variables
+    assert asked == [["scontrol", "show", "node", "node[3-6]"]] * 2   # the step's nodes, in the step's order
+
+
 def test_two_nodes_train_like_one_process(resnet_tolerance, tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
