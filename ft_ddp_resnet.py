@@ -12,6 +12,12 @@ through that loop; all do if the coordinator is lost. The optimizer and its sche
 make_optimizer(). Then read in the order things happen: the step, the member, the coordinator,
 the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
 
+Its sums are exact (--sums float64), so a run ends with the weights of one without faults, bit for
+bit, whoever computed which micro-batch and whoever left, joined or resumed. That holds for this
+ResNet-18, which draws nothing at random in its step. A model that does (dropout, stochastic depth)
+draws from each member's own torch generator, which a member that joins, recovers or restarts holds
+in another state: its run ends close to one without faults, not equal to it.
+
 What a step waits for is the lesson here. The other pages' steps wait for nothing; a member's
 committed step waits three times, blocking: for its quorum (asked by its join or its last vote,
 sent once every live member has asked), for the allreduce, and for the verdict on its vote, a
