@@ -12,6 +12,12 @@ through that loop; all do if the coordinator is lost. The optimizer and its sche
 make_optimizer(). Then read in the order things happen: the step, the member, the coordinator,
 the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
 
+Its sums are exact (--sums float64), so a run ends with the weights of one without faults, bit for
+bit, whoever computed which micro-batch and whoever left, joined or resumed. That holds for this
+ResNet-18, which draws nothing at random in its step. A model that does (dropout, stochastic depth)
+draws from each member's own torch generator, which a member that joins, recovers or restarts holds
+in another state: its run ends close to one without faults, not equal to it.
+
 What a step waits for is the lesson here. The other pages' steps wait for nothing; a member's
 committed step waits three times, blocking: for its quorum (asked by its join or its last vote,
 sent once every live member has asked), for the allreduce, and for the verdict on its vote, a
@@ -347,6 +353,10 @@ class Member:
 
     def train(self):
         """Joins the run, then takes part in its steps to the last. Returns the model."""
+        if self.progress.step >= self.final_step:
+            print(f"nothing to train: {self.args.checkpoint} is at step {self.progress.step}, and "
+                  f"this run ends at step {self.final_step}", flush=True)
+            return self.model
         os.makedirs(self.args.out, exist_ok=True)
         signal.signal(signal.SIGTERM, lambda signum, frame: self.stop.update(
             signal="SIGTERM", at=time.monotonic()))
@@ -357,11 +367,11 @@ class Member:
         if self.progress.step < self.final_step:
             self.leave(f"stopped by {self.stop['signal']} (the other members go on)",
                        common.PREEMPTED)
-        self.metrics.update(generations=self.generations, epochs=self.progress.history)
         sent = {}
         if self.generations:
             sent = {"all_reduce (the members)": common.nbytes(self.flat_sums)}
-        seconds = sum(e["seconds"] for e in self.progress.history)
+        # The last step wrote the epochs, its own too.
+        seconds = sum(e["seconds"] for e in self.metrics["epochs"])
         common.finish(self.metrics, self.progress.step, seconds, self.model.state_dict(), sent)
         if dist.is_initialized():   # FT: leave the last group
             dist.destroy_process_group()   # FT: cleanly
@@ -464,8 +474,8 @@ class Member:
 
     def apply(self, step, step_sums):
         """The committed step: the update, the progress and, when due, the progress line; at an
-        epoch's end its evaluation, the same on every member, its line, metrics.json and curves.png;
-        then the checkpoint, when it is due."""
+        epoch's end, or the run's last step, its evaluation, the same on every member, its line,
+        metrics.json and curves.png; then the checkpoint, when it is due."""
         self.committed_statistics = {}
         self.optimizer.step()
         self.scheduler.step()
@@ -483,19 +493,22 @@ class Member:
         if progress.step < self.final_step and line.due(progress.step, line.asks()):
             line.say(common.Position(epoch, step=progress.step), progress.sums,
                      self.scheduler.get_last_lr()[0])
-        if progress.step % self.steps_per_epoch == 0 or progress.step == self.final_step:
+        epoch_ends = progress.step % self.steps_per_epoch == 0
+        if epoch_ends or progress.step == self.final_step:
             tested = evaluate(self.model, self.test_batches, self.device)
             record = common.epoch_record(epoch, progress.sums, progress.seconds, tested)
-            progress.history.append(record)
             print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
                   f"{record['train_acc']:.4f}  test loss {record['test_loss']:.4f}  test acc "
                   f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
                   f"{progress.seconds:.1f} s", flush=True)
             # Written now: a member that stops, or is killed, later keeps its history.
-            self.metrics.update(generations=self.generations, epochs=progress.history)
+            self.metrics.update(generations=self.generations, epochs=progress.history + [record])
             common.write_outputs(self.metrics)
+        # A run that ends inside an epoch keeps its sums, not its record: resumed with a larger
+        # --max-steps, it goes on summing that epoch and records it once, over all its steps.
+        if epoch_ends:
             # The next epoch's sums and seconds start from zero.
-            self.progress = Progress(progress.step, history=progress.history)
+            self.progress = Progress(progress.step, history=progress.history + [record])
             self.timer = common.Timer(self.device)
             self.progress_line.new_epoch(progress.step)
         # After the epoch's evaluation: the checkpoint holds its record.

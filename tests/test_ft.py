@@ -84,11 +84,12 @@ def finished(run, *names):
 
 @pytest.fixture(scope="session")
 @once
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory):
     """3 members, and 2, without failures: the same weights, bit for bit (float64 sums do not depend
     on who computed which micro-batch), which every test below ends with; and so the same test loss
-    in every member's metrics.json (each evaluates the whole test set alone)."""
-    weights, test_losses = {}, set()
+    in every member's metrics.json (each evaluates the whole test set alone). Returns the weights, and
+    the epochs in a metrics.json of the run of 3."""
+    weights, test_losses, records = {}, set(), None
     for n in (3, 2):
         with Run(tmp_path_factory.mktemp(f"ft{n}")) as run:
             names = [f"m{i}" for i in range(n)]
@@ -100,9 +101,16 @@ def uninterrupted(tmp_path_factory):
                 epochs = json.load(open(run.tmp / name / "metrics.json"))["epochs"]
                 test_losses |= {epoch["test_loss"] for epoch in epochs}
                 assert f"test loss {epochs[-1]['test_loss']:.4f}  test acc" in run.log(name)
+            if n == 3:
+                records = epochs
     assert max_difference(weights[3], weights[2]) == 0
     assert len(test_losses) == 1 and 0 < test_losses.pop() < 10, test_losses
-    return weights[3]
+    return {"weights": weights[3], "epochs": records}
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run["weights"]
 
 
 def test_three_members_and_two_end_bit_equal_with_the_weights_of_the_reference(uninterrupted, resnet_tolerance):
@@ -325,6 +333,37 @@ def test_a_whole_job_stopped_by_sigterm_resumes_from_the_checkpoints_like_a_run_
             run.member(name, "--min-members", "2", "--resume")
         assert max_difference(finished(run, "m0", "m1"), uninterrupted) == 0
     assert json.load(open(tmp_path / "m0" / "metrics.json"))["steps"] == 6
+
+
+def test_a_run_ended_by_max_steps_inside_an_epoch_resumes_and_records_that_epoch_once(uninterrupted_run, tmp_path):
+    """One member, --max-steps 3 of the epoch's 6, --checkpoint-every 3: it records the epoch so far
+    in metrics.json, writes model.pt, and leaves a checkpoint of the epoch's sums, not its record.
+    Resumed with no cap, under a coordinator serving that run, it records epoch 1 once, over all its
+    96 samples: the record of a run never stopped but for the times, and its weights, bit for bit.
+    Resumed with the same cap, it has nothing to train and writes nothing."""
+    checkpoint = tmp_path / "m0" / "checkpoint.pt"
+    with Run(tmp_path) as run:
+        run.member("m0", "--max-steps", "3", "--checkpoint-every", "3")
+        finished(run, "m0")
+    stopped = json.load(open(tmp_path / "m0" / "metrics.json"))["epochs"]
+    saved = torch.load(checkpoint)
+    with Run(tmp_path, "--run-id", saved["run"]) as run:
+        run.member("m0", "--resume")
+        assert max_difference(finished(run, "m0"), uninterrupted_run["weights"]) == 0
+    times = ("seconds", "samples_per_s")
+    epochs = [{k: v for k, v in e.items() if k not in times}
+              for e in json.load(open(tmp_path / "m0" / "metrics.json"))["epochs"]]
+    expected = [{k: v for k, v in e.items() if k not in times} for e in uninterrupted_run["epochs"]]
+    assert epochs == expected and epochs[0]["samples"] == 96, (epochs, expected)
+    assert [(e["epoch"], e["samples"]) for e in stopped] == [(1, 48)], stopped
+    assert saved["progress"]["step"] == 3 and saved["progress"]["history"] == [], saved["progress"]
+    assert saved["progress"]["sums"]["samples"] == 48 and saved["progress"]["seconds"] > 0, saved["progress"]
+    again = [sys.executable, "ft_ddp_resnet.py", "--join", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "again"),
+             *FT, "--max-steps", "3", "--resume", "--checkpoint", str(checkpoint)]   # no coordinator: none is asked
+    result = subprocess.run(again, cwd=HERE, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.endswith(
+        f"nothing to train: {checkpoint} is at step 3, and this run ends at step 3\n"), result.stdout + result.stderr
+    assert not any((tmp_path / "again").iterdir())
 
 
 def test_the_readme_supervisor_loop_continues_the_run_after_the_coordinator_is_killed(uninterrupted, tmp_path):
