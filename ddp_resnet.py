@@ -179,7 +179,7 @@ def train_step(model, optimizer, X, y, step, args, sums):
     gradient clipped first with --clip-grad-norm. The epoch's sums grow on the device: nothing here
     waits for the GPU."""
     optimizer.zero_grad(set_to_none=True)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()   # DDP: which rank, of how many
     for i in range(args.accum_steps):
         # Micro-batch i: every accum_steps-th sample, as rank i of that many would take them.
         X_micro, y_micro = X[i::args.accum_steps], y[i::args.accum_steps]
