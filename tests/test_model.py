@@ -139,8 +139,8 @@ def test_clipping_scales_the_averaged_gradient_alike_at_any_layout_and_reports_i
     unclipped = resnet_reference(2)
     assert max((clipped[k] - unclipped[k]).abs().max().item() for k in clipped) > 100 * resnet_tolerance
     diloco = tmp_path / "diloco"
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py", "--clip-grad-norm", "1",
-                  "--local-steps", "1", "--max-steps", "1", "--out", str(diloco)] + RESNET)
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "diloco_resnet.py"] + RESNET +
+                 ["--clip-grad-norm", "1", "--local-steps", "1", "--max-steps", "1", "--out", str(diloco)])
     assert_ok(result)
     each = [total_norm(gradients) for gradients in gradients_of_each_shard()]
     record = json.load(open(diloco / "metrics.json"))["epochs"][-1]
