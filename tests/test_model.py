@@ -145,3 +145,16 @@ def test_clipping_scales_the_averaged_gradient_alike_at_any_layout_and_reports_i
     each = [total_norm(gradients) for gradients in gradients_of_each_shard()]
     record = json.load(open(diloco / "metrics.json"))["epochs"][-1]
     assert record["grad_norm"] == pytest.approx(sum(each) / 2, rel=1e-4)
+
+
+def test_a_resume_compares_how_each_global_batch_is_cut_into_micro_batches():
+    """What a checkpoint keeps of the layout, which a resume compares (a difference goes on, saying "close to"):
+    ranks x --accum-steps, the same for 2 ranks and for 1 with 2 micro-batches; with --sync-bn on CUDA, where
+    BatchNorm normalises micro-batch i of every rank together, the ranks and the micro-batches each."""
+    def cut(world_size, accum, sync_bn=False, device="cpu"):
+        args = ddp_resnet.parse_args(["--accum-steps", str(accum)] + ["--sync-bn"] * sync_bn)
+        return ddp_resnet.resume_flags(args, (1, 28, 28), 96, torch.device(device), world_size)["micro_batches"]
+    assert cut(2, 1) == cut(1, 2) == 2 and cut(2, 2) == 4 != cut(2, 1)
+    assert cut(2, 1, sync_bn=True) == 2   # no SyncBatchNorm on a CPU: per-rank BatchNorm
+    assert cut(2, 2, sync_bn=True, device="cuda") == "2 ranks x 2" != cut(4, 1, sync_bn=True, device="cuda")
+    assert fsdp_resnet.resume_flags(fsdp_resnet.parse_args([]), (1, 28, 28), 96, 2)["micro_batches"] == 2
