@@ -203,7 +203,9 @@ def make_step(row, device, stop, data):
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
     ddp_model, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo", False)
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
-    totals = common.Sums.on(device, loss=0, correct=0, samples=0)
+    totals = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    # The step's number, which seeds what it draws.
+    numbers = itertools.count()
     drawn = batches(*data, row.batch, device, row.gpudata)
     X_fixed, y_fixed = next(drawn)
     X_fixed = X_fixed.contiguous(memory_format=memory_format)
@@ -211,13 +213,13 @@ def make_step(row, device, stop, data):
     def step():
         with record_function("step"):
             if row.bare:
-                train_step(model, optimizer, X_fixed, y_fixed, flags, totals)
+                train_step(model, optimizer, X_fixed, y_fixed, next(numbers), flags, totals)
                 return
             with record_function("next batch"):
                 X, y = next(drawn)
                 X = X.contiguous(memory_format=memory_format)
             with record_function("train_step"):
-                train_step(model, optimizer, X, y, flags, totals)
+                train_step(model, optimizer, X, y, next(numbers), flags, totals)
             with record_function("scheduler.step"):
                 scheduler.step()
             with record_function("stop vote"):
