@@ -310,7 +310,7 @@ def test_your_own_dataset_in_one_edit_trains_on_two_ranks_and_resumes_exactly(tm
     which this datasets() does not apply, is said to be left unapplied."""
     page = open(os.path.join(HERE, "ddp_resnet.py")).read()
     start = page.index("def datasets(args):")
-    end = page.index("# ---------------------------------------------------------------- the optimizer")
+    end = page.index("# ---------------------------------------------------------------- your model goes here")
     copy = tmp_path / "job"
     copy.mkdir()
     (copy / "ddp_resnet.py").write_text(page[:start] + YOUR_DATA + page[end:])
