@@ -396,6 +396,21 @@ def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     return out / "checkpoint.pt"
 
 
+def readme_make_model():
+    """The README's make_model() (its "Your own model"), as it stands there."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    return next(block for block in text.split("```")[1::2] if "def make_model" in block).removeprefix("python\n")
+
+
+def with_readme_model(page_text):
+    """A page's text with its make_model() replaced by the README's, and `import torchvision` at its top, as the
+    README says."""
+    start = page_text.index("def make_model(args, shape, classes):")
+    end = page_text.index("# ----------------------------------------------------------------", start)
+    page_text = page_text[:start] + readme_make_model() + "\n\n" + page_text[end:]
+    return page_text.replace("\nimport common\n", "\nimport torchvision\nimport common\n", 1)
+
+
 def copy_set(script):
     """The script and the files of this folder it imports, followed from their import lines."""
     found, todo = set(), [script]

@@ -9,41 +9,24 @@ import torch.nn.functional as F
 import common
 import ddp_resnet
 import fsdp_resnet
-from helpers import (DATA, HERE, RESNET, RESNET_LR, assert_ok, assert_same_weights, epoch_batches, fashion_resnet,
-                     load_model, resnet_reference, run)
+from helpers import (DATA, HERE, RESNET, assert_ok, assert_same_weights, epoch_batches, fashion_resnet, load_model,
+                     readme_make_model, resnet_reference, run, with_readme_model)
 
-PAGES = ("ddp_resnet", "fsdp_resnet", "diloco_resnet")
 SMALL = ["--train-samples", "48", "--test-samples", "20", "--batch-size", "16", "--epochs", "1", "--lr", "0.1",
          "--print-every", "0", "--data-dir", DATA]   # 3 steps
 
 
-def readme_make_model():
-    """The README's make_model(), as it stands there."""
-    text = open(os.path.join(HERE, "README.md")).read()
-    return next(block for block in text.split("```")[1::2] if "def make_model" in block).removeprefix("python\n")
-
-
-def with_your_model(page, folder):
-    """`page` and common.py copied into `folder`, the page's make_model() replaced by the README's, and
-    `import torchvision` at its top, as the README says."""
-    text = open(os.path.join(HERE, f"{page}.py")).read()
-    start = text.index("def make_model(args, shape, classes):")
-    end = text.index("# ----------------------------------------------------------------", start)
-    text = text[:start] + readme_make_model() + "\n\n" + text[end:]
-    text = text.replace("\nimport common\n", "\nimport torchvision\nimport common\n", 1)
-    folder.mkdir()
-    (folder / f"{page}.py").write_text(text)
-    shutil.copy(os.path.join(HERE, "common.py"), folder)
-
-
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", ["fsdp_resnet", "diloco_resnet"])
 def test_your_own_model_from_the_readme_trains_and_resumes_bit_equal(page, tmp_path):
     """The README's EfficientNet-B0 in make_model(), 2 ranks: stopped by --max-steps at step 1 of 3 (DiLoCo: inside
     a round of 2) and resumed, the run ends with the weights and BatchNorm statistics of the run never stopped, to
     the bit: its dropout and stochastic depth drew after the resume what they would have drawn (before each micro-
-    batch was seeded from the step, a ResNet with dropout ended 0.004 away at these sizes, 0.094 at larger ones)."""
+    batch was seeded from the step, a ResNet with dropout ended 0.004 away at these sizes, 0.094 at larger ones).
+    ddp_resnet.py's proof, with your own Dataset and a SIGTERM too: tests/test_data.py."""
     copy = tmp_path / "job"
-    with_your_model(page, copy)
+    copy.mkdir()
+    (copy / f"{page}.py").write_text(with_readme_model(open(os.path.join(HERE, f"{page}.py")).read()))
+    shutil.copy(os.path.join(HERE, "common.py"), copy)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", f"{page}.py"]
     flags = SMALL + (["--local-steps", "2"] if page == "diloco_resnet" else [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
