@@ -62,7 +62,8 @@ training.add_argument("--no-augment", action="store_true",
 training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
-                      help="scale the averaged gradient down to this total norm, when above it")
+                      help="scale the averaged gradient down to this total norm, when above it "
+                      "(the progress line shows its norm before)")
 training.add_argument("--sync-bn", action="store_true",
                       help="BatchNorm statistics over all ranks (CUDA only)")
 training.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
@@ -141,9 +142,10 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module. The page seeds torch before it (the same weights on every rank), then puts the
-    model on the device and wraps it. What its step draws (dropout, stochastic depth) is seeded
-    per micro-batch: a resume is exact."""
+    own nn.Module (--arch and --zero-init-residual act only here). This page seeds torch before
+    calling it (the same weights on every rank), then puts the model on the device and wraps it.
+    What its step draws (dropout, stochastic depth) is seeded from (seed, step, micro-batch): a
+    resume is exact."""
     options = {}
     if args.zero_init_residual:
         options["zero_init_residual"] = True

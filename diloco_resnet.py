@@ -60,7 +60,8 @@ training.add_argument("--no-augment", action="store_true",
 training.add_argument("--train-samples", type=common.positive_int, help="only N training images")
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
-                      help="scale each rank's own gradient down to this total norm, when above it")
+                      help="scale each rank's own gradient down to this total norm, when above "
+                      "it (the progress line shows the ranks' mean norm before)")
 training.add_argument("--local-steps", type=common.positive_int, default=10, help="H: inner steps "
                       "each rank takes alone between two syncs (1: every step, as DDP)")
 training.add_argument("--outer-lr", type=common.positive_float, default=0.7,
@@ -125,9 +126,10 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module. The page seeds torch before it (every replica starts from the same weights),
-    then puts the model on the device. What its step draws (dropout, stochastic depth) is seeded
-    per rank and step: a resume is exact."""
+    own nn.Module (--arch acts only here). This page seeds torch before calling it (every replica
+    starts from the same weights), then puts the model on the device. What its step draws
+    (dropout, stochastic depth) is seeded from (seed, step, micro-batch: a rank's batch): a
+    resume is exact."""
     return common.classifier(args.arch, classes, shape[0], shape[-1])
 
 

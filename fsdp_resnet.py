@@ -63,7 +63,8 @@ training.add_argument("--train-samples", type=common.positive_int, help="only N 
 training.add_argument("--amp", action="store_true",
                       help="bfloat16 mixed precision (BatchNorm in float32)")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
-                      help="scale the averaged gradient down to this total norm, when above it")
+                      help="scale the averaged gradient down to this total norm, when above it "
+                      "(the progress line shows its norm before)")
 training.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's "
                       "--nproc_per_node), replicate across nodes: only an all-reduce crosses them")
 parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
@@ -126,10 +127,10 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module. The page seeds torch before it (every rank must make the same weights: each
-    keeps its own shard of them), then puts the model on the device and shards it by its blocks
-    (blocks() below). What its step draws (dropout, stochastic depth) is seeded per rank and
-    step: a resume is exact."""
+    own nn.Module (--arch acts only here). This page seeds torch before calling it (every rank
+    must make the same weights: each keeps its own shard of them), then puts the model on the
+    device and shards it by its blocks (blocks() below). What its step draws (dropout, stochastic
+    depth) is seeded from (seed, step, micro-batch: a rank's batch): a resume is exact."""
     return common.classifier(args.arch, classes, shape[0], shape[-1])
 
 
