@@ -176,6 +176,11 @@ def test_each_member_prints_progress_at_the_steps_asked_and_a_killed_one_keeps_i
         assert not (tmp_path / "m1" / "model.pt").exists()
 
 
+def member_ids(run, name):
+    """The ids the coordinator gave `name` at its joins, in order."""
+    return re.findall(r"member (\d+): joined run", run.log(name))
+
+
 def paused(run, names, until, what):
     """The named members stopped (SIGSTOP) until `until()` holds: a restarted member needs seconds to
     start, and the tiny run would be over before it joins. --member-timeout 60 keeps them members."""
@@ -231,7 +236,9 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         wait_for(lambda: "generation 1" in run.log("m2"), 60, "the first generation")
         time.sleep(1.0)
         os.killpg(run.members["m2"].pid, signal.SIGSTOP)   # the member and its loop
-        wait_for(lambda: re.search(r"member \d+ dropped", run.log("coordinator")), 30, "m2 dropped")
+        # On a busy machine a peer may be dropped first (its loop brings it back): wait for m2's own.
+        dropped = rf"member {member_ids(run, 'm2')[-1]} dropped"
+        wait_for(lambda: re.search(dropped, run.log("coordinator")), 60, "m2 dropped")
         # The others are held while it wakes and rejoins: on a busy machine they could finish the
         # run first (that case has its own test below).
         for name in ("m0", "m1"):
@@ -241,8 +248,11 @@ def test_a_hung_member_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(un
         for name in ("m0", "m1"):
             os.killpg(run.members[name].pid, signal.SIGCONT)
         assert run.wait("m0", "m1") == [0, 0], run.log("m0") + run.log("m1")
+        # One told the run is over had been dropped while it was held: told so when it woke, or, if the
+        # others finished first, told the run is over instead.
         late = [name for name in ("m0", "m1") if "the run is over" in run.log(name)]
-        assert all("dropped by the coordinator" in run.log(name) for name in late), run.log("coordinator")
+        assert all(any(re.search(rf"member {i} dropped", run.log("coordinator")) for i in member_ids(run, name))
+                   for name in late), run.log("coordinator")
         assert not any((tmp_path / name / "model.pt").exists() for name in late)
         trained = [name for name in ("m0", "m1", "m2") if name not in late]
         assert max_difference(finished(run, *trained), uninterrupted) == 0
@@ -263,15 +273,17 @@ def test_a_member_stopped_while_its_group_is_made_is_voted_out_and_the_other_goe
     that does not answer (~5 x --member-timeout): the peer's group fails, it is voted out, and the
     peer trains on alone, not ended by the 6 x --member-timeout that guards group-making against a
     hung store. Woken after the end, the stopped one does not take the time it was stopped for the
-    store's: its group fails, and it is told the run is over."""
+    store's: its group fails, and it is told the run is over. On a busy machine gloo itself may abort
+    the woken one as its connection fails (an `ex_ == nullptr` check in gloo's device thread): it runs
+    under the README's loop, which starts it again, and then it is told the same at its join."""
     with Run(tmp_path) as run:
         run.member("m0", "--min-members", "2")
-        run.member("m1", "--min-members", "2", dies=("handshake", 0))
+        run.member("m1", "--min-members", "2", dies=("handshake", 0), supervised=True)
         assert max_difference(finished(run, "m0"), uninterrupted) == 0
         assert re.search(r"member \d+ dropped", run.log("coordinator")), run.log("coordinator")
         assert "generation 2: 1 member(s) from step 0" in run.log("m0"), run.log("m0")
         time.sleep(max(0.0, 4 * 6 + 2 - (time.time() - os.stat(run.tmp / "m1.log").st_mtime)))   # past 6 x 4 s
-        run.members["m1"].send_signal(signal.SIGCONT)
+        os.killpg(run.members["m1"].pid, signal.SIGCONT)   # the member and its loop
         assert run.wait("m1") == [0], run.log("m1")
         assert "the run is over" in run.log("m1") and "store did not answer" not in run.log("m1"), run.log("m1")
 
