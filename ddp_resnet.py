@@ -188,9 +188,12 @@ def train_step(model, optimizer, X, y, step, args, sums):
         last = i == args.accum_steps - 1
         # Its number among all ranks' micro-batches seeds what it draws.
         common.seed_the_step(args.seed, step, rank + world_size * i)   # DDP: which of them all
-        # BatchNorm's running statistics move with micro-batch 0 alone: rank 0's (DDP keeps
-        # those) holds the same images whenever ranks x --accum-steps is the same.
-        track_running_stats(model, i == 0)
+        # BatchNorm's running statistics (the model's buffers) move with micro-batch 0 alone:
+        # rank 0's (DDP keeps those) holds the same images whenever ranks x --accum-steps is the
+        # same. They are kept here and put back after the last: switching BatchNorm's tracking
+        # off instead would make torch.compile compile the model again.
+        if i == 1:
+            kept = [buffer.clone() for buffer in model.buffers()]
         # DDP: no allreduce before the last micro-batch, which sums them all at once
         with contextlib.nullcontext() if last else model.no_sync():
             with torch.autocast(X.device.type, torch.bfloat16, enabled=args.amp):
@@ -202,20 +205,15 @@ def train_step(model, optimizer, X, y, step, args, sums):
         sums["correct"] += (logits.argmax(1) == y_micro).sum()
         # A Python number: no copy to the device.
         sums["samples"] += len(y_micro)
+    if args.accum_steps > 1:
+        for buffer, value in zip(model.buffers(), kept):
+            buffer.copy_(value)
     if args.clip_grad_norm:
         # The total norm of the gradient DDP averaged, the same on every rank, before clipping.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         sums["grad_norm"] += norm
         sums["norms"] += 1
     optimizer.step()
-
-
-def track_running_stats(model, track):
-    """Whether BatchNorm's running statistics (and their count) move with the next forward, in
-    every layer that keeps them; it normalises by the batch's own statistics either way."""
-    for module in model.modules():
-        if getattr(module, "running_mean", None) is not None:
-            module.track_running_stats = track
 
 
 def mean_norm(trained):

@@ -23,12 +23,17 @@ def test_compiled_ddp_with_accumulation_trains_like_eager(tmp_path):
     """torch.compile of the DDP model (one rank: DDP's graph is split at its buckets all the same),
     with no_sync on the first of 2 micro-steps: the step of eager mode, up to the rounding that
     BatchNorm over micro-batches of 8 images amplifies (a micro-batch's gradient lost would be
-    half of the step)."""
+    half of the step). The training forward is compiled once: what the step does between its
+    micro-batches (BatchNorm's statistics kept from the first) changes nothing Dynamo guards on; the
+    evaluation's forward, without gradients, is the one compiled again."""
     flags = RESNET + ["--max-steps", "1", "--accum-steps", "2"]
     eager = run(["python", "ddp_resnet.py", "--out", str(tmp_path / "e")] + flags)
-    compiled = run(["python", "ddp_resnet.py", "--compile", "--out", str(tmp_path / "c")] + flags, timeout=600)
+    compiled = run(["python", "ddp_resnet.py", "--compile", "--out", str(tmp_path / "c")] + flags, timeout=600,
+                   env={"TORCH_LOGS": "recompiles"})
     assert_ok(eager)
     assert_ok(compiled)
+    assert compiled.stderr.count("Recompiling function") == 1, compiled.stderr[-3000:]
+    assert "GLOBAL_STATE changed: grad_mode" in compiled.stderr, compiled.stderr[-3000:]
     step_eager, step_compiled = resnet_step(load_model(tmp_path / "e")), resnet_step(load_model(tmp_path / "c"))
     assert (step_compiled - step_eager).norm() / step_eager.norm() < 0.02
 
