@@ -249,8 +249,8 @@ BLOCKING = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_obje
             "send", "recv")
 
 
-@pytest.mark.parametrize("page, flags", [(ddp_resnet, ["--clip-grad-norm", "1"]), (fsdp_resnet, []),
-                                         (diloco_resnet, ["--local-steps", "4", "--clip-grad-norm", "1"])],
+@pytest.mark.parametrize("page, flags", [(ddp_resnet, ["--clip-grad-norm", "1", "--accum-steps", "2"]),
+                                         (fsdp_resnet, []), (diloco_resnet, ["--local-steps", "4", "--clip-grad-norm", "1"])],
                          ids=["ddp_resnet", "fsdp_resnet", "diloco_resnet"])
 def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, flags, monkeypatch, tmp_path):
     """The page's own main() as on a GPU (tests/as_on_a_gpu.py), 4 steps in its epoch: between steps 1 and 2, 2
@@ -258,9 +258,10 @@ def test_an_ordinary_step_waits_for_no_other_rank_and_reads_nothing_back(page, f
     starts without waiting, and is read a step later), and no step reads anything back from the GPU (meta
     cannot: the first read-back, the evaluation's, is where the run fails). The epoch's last step may wait:
     the evaluation follows. Torch's own collectives inside DDP and FSDP are the approach's, not counted.
-    --print-every 0: no progress line, which would read the sums back. Every step's draws are seeded, and with
-    --clip-grad-norm (DDP, DiLoCo) the norm and the clipping stay on the GPU. (FSDP clips sharded gradients,
-    DTensors, which the harness's stand-in for fully_shard does not make.)"""
+    --print-every 0: no progress line, which would read the sums back. Every step's draws are seeded, DDP keeps
+    BatchNorm's statistics of its first micro-batch (--accum-steps 2), and with --clip-grad-norm (DDP, DiLoCo)
+    the norm and the clipping stay on the GPU. (FSDP clips sharded gradients, DTensors, which the harness's
+    stand-in for fully_shard does not make.)"""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     events = []
