@@ -188,10 +188,11 @@ def train_step(model, optimizer, X, y, step, args, sums):
         last = i == args.accum_steps - 1
         # Its number among all ranks' micro-batches seeds what it draws.
         common.seed_the_step(args.seed, step, rank + world_size * i)   # DDP: which of them all
-        # BatchNorm's running statistics (the model's buffers) move with micro-batch 0 alone:
-        # rank 0's (DDP keeps those) holds the same images whenever ranks x --accum-steps is the
-        # same. They are kept here and put back after the last: switching BatchNorm's tracking
-        # off instead would make torch.compile compile the model again.
+        # The model's buffers (BatchNorm's running statistics, and any your model keeps) move
+        # with micro-batch 0 alone, as DDP keeps rank 0's: rank 0's micro-batch 0 holds the same
+        # images whenever ranks x --accum-steps is the same. They are copied before micro-batch 1
+        # and put back after the last (switching BatchNorm's tracking off would make
+        # torch.compile compile again).
         if i == 1:
             kept = [buffer.clone() for buffer in model.buffers()]
         # DDP: no allreduce before the last micro-batch, which sums them all at once
@@ -206,7 +207,7 @@ def train_step(model, optimizer, X, y, step, args, sums):
         # A Python number: no copy to the device.
         sums["samples"] += len(y_micro)
     if args.accum_steps > 1:
-        for buffer, value in zip(model.buffers(), kept):
+        for buffer, value in zip(model.buffers(), kept, strict=True):
             buffer.copy_(value)
     if args.clip_grad_norm:
         # The total norm of the gradient DDP averaged, the same on every rank, before clipping.
