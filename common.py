@@ -3,7 +3,8 @@ loaders, a stop every rank agrees on, where a run is, atomic writes and the outp
 
 Importing it defines names and does nothing else.
 """
-import argparse, contextlib, dataclasses, datetime, functools, gc, glob, hashlib, importlib.util
+import argparse, contextlib, dataclasses, datetime, difflib, functools, gc, glob, hashlib
+import importlib.util
 import json, math, multiprocessing, os, pathlib, re, signal, socket, subprocess, sys, time
 import traceback
 import torch
@@ -83,9 +84,8 @@ def one_rank_per_gpu(device):
     before NCCL's own "Duplicate GPU detected", whatever CUDA_VISIBLE_DEVICES showed each process.
     Asked over a gloo group of its own: the first NCCL call would fail first."""
     group = dist.new_group(backend="gloo")
-    gpus = [None] * dist.get_world_size()
     mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
-    dist.all_gather_object(gpus, mine, group=group)
+    gpus = every_rank(mine, dist.get_world_size(), group)
     dist.destroy_process_group(group)
     first = {}
     for rank, gpu in enumerate(gpus):
@@ -372,8 +372,8 @@ def test_loader(dataset, rank, world_size, device, workers=0, batch_size=500):
 
 class Sums(dict):
     """Running sums by name (an epoch's loss, its right answers, its samples), kept as tensors on
-    the device: adding to them waits for nothing. total() reads them, summed over the ranks,
-    where the run waits anyway."""
+    the device: adding to them waits for nothing. A name that begins with "max_" keeps a largest
+    value instead. total() reads them over all ranks, where the run waits anyway."""
     @classmethod
     def on(cls, device, **start):
         """The sums named in `start`, from its values: Sums.on(device, loss=0, samples=0)."""
@@ -381,45 +381,130 @@ class Sums(dict):
         return cls(zip(start, values))
 
     def total(self):
-        """{name: sum over all ranks}: one all_reduce, which waits for every rank."""
+        """{name: its sum over all ranks, or its largest}: all_reduce, which waits for them all."""
         values = torch.stack(list(self.values()))
+        largest = torch.tensor([name.startswith("max_") for name in self], device=values.device)
         if dist.is_initialized():
+            maxima = values.clone()
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
             dist.all_reduce(values)
+            values = torch.where(largest, maxima, values)
         return dict(zip(self, values.tolist()))
+
+    def restart(self, suffix):
+        """The sums whose names end with `suffix` back to 0, on every rank."""
+        for name, value in self.items():
+            if name.endswith(suffix):
+                value.zero_()
+
+
+# The gradient's norm before clipping: summed, counted and at its largest, over the epoch and since
+# the last progress line ("_line").
+NORM_SUMS = dict.fromkeys(["grad_norm", "norms", "max_grad_norm", "grad_norm_line", "norms_line",
+                           "max_grad_norm_line"], 0)
+
+
+def add_norm(sums, norm):
+    """A step's gradient norm into the epoch's sums and those since the last progress line."""
+    for window in ("", "_line"):
+        sums["grad_norm" + window] += norm
+        sums["norms" + window] += 1
+        sums["max_grad_norm" + window] = torch.maximum(sums["max_grad_norm" + window], norm)
+
+
+def norms(trained, window=""):
+    """The gradient norm's mean and largest, by name, from sums over all ranks: the epoch's, or
+    since the last progress line (window "_line"); nothing without --clip-grad-norm."""
+    if not trained.get("norms" + window):
+        return {}
+    return {"grad_norm": trained["grad_norm" + window] / trained["norms" + window],
+            "max_grad_norm": trained["max_grad_norm" + window]}
 
 
 # ---------------------------------------------------------------- the model
+@contextlib.contextmanager
+def evaluating(model):
+    """`model` in evaluation mode inside; after, each of its modules in the mode it was in before,
+    not the whole model in training mode: a part you put in eval mode (a frozen BatchNorm, which
+    keeps its statistics) stays in it."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    yield
+    for module, training in modes.items():
+        module.training = training
+
+
 def classifier(arch, classes, channels=3, image_size=224, **options):
-    """torchvision's classifier `arch` (resnet18, efficientnet_b0, ...) for `channels` x
-    `image_size` images, or a refusal in one line. Its stem, the first convolution, takes
-    `channels`; up to 64 pixels it keeps the image's size (3x3, stride 1, and no ResNet max-pool),
-    where torchvision's would shrink 32x32 to 8x8 at once. `options` are torchvision's
-    (zero_init_residual, dropout, ...). Seed torch first: the same seed, the same weights."""
+    """torchvision's classification model `arch` (resnet18, efficientnet_b0, ...; none of its
+    weights: nothing is downloaded) for `channels` x `image_size` images, or a refusal in one line
+    with what would work. `options` are torchvision's (zero_init_residual, dropout, ...). Seed
+    torch first: the same seed, the same weights."""
     import torchvision
+    models = torchvision.models.list_models(module=torchvision.models)
     try:
-        net = torchvision.models.get_model(arch, num_classes=classes, **options)
-        name, stem = next((n, m) for n, m in net.named_modules() if isinstance(m, torch.nn.Conv2d))
-        small = image_size <= 64
-        if small or channels != 3:
-            shape = (stem.kernel_size, stem.stride, stem.padding)
-            if small:
-                shape = (3, 1, 1)
-            net.set_submodule(name, torch.nn.Conv2d(channels, stem.out_channels, *shape,
-                                                    bias=stem.bias is not None))
-            # As torchvision initialises a ResNet's.
-            torch.nn.init.kaiming_normal_(net.get_submodule(name).weight, mode="fan_out",
-                                          nonlinearity="relu")
-        if small and hasattr(net, "maxpool"):
-            net.maxpool = torch.nn.Identity()
-        # Two blank images, in evaluation mode (nothing drawn, no statistics moved): a model that
-        # cannot take these images is refused now, not at the first step.
-        with torch.no_grad():
-            logits = net.eval()(torch.zeros(2, channels, image_size, image_size))
-        assert logits.shape == (2, classes), f"it gives {tuple(logits.shape)} for 2 images"
+        if arch not in models:
+            close = ", ".join(difflib.get_close_matches(arch, models, 3, 0.5)) or "none"
+            raise ValueError(f"not one of torchvision's classification models (closest: {close}; all: "
+                             f"torchvision.models.list_models(module=torchvision.models))")
+        net = tried(arch, classes, channels, image_size, dict(options))
     except Exception as e:
-        sys.exit(f"error: --arch {arch} for {channels}x{image_size}x{image_size} images: "
-                 f"{one_line(e)}" if int(os.environ.get("RANK", 0)) == 0 else 1)
+        why = one_line(e)
+        # The smallest image size it takes, tried on the meta device: no memory, no time.
+        sizes = [n for n in (32, 64, 128, 224, 299) if n > image_size and arch in models
+                 and fits(arch, classes, channels, n, options)]
+        if sizes:
+            why += f" (it takes {sizes[0]}x{sizes[0]} images; image folders: --image-size {sizes[0]})"
+        sys.exit(f"error: --arch {arch} for {channels}x{image_size}x{image_size} images: {why}"
+                 if int(os.environ.get("RANK", 0)) == 0 else 1)
     return net.train()
+
+
+def tried(arch, classes, channels, image_size, options):
+    """torchvision's `arch` for these images, tried on two blank ones. Its stem, the first
+    convolution, takes `channels`; up to 64 pixels it keeps the image's size (3x3, stride 1, and no
+    ResNet max-pool), where torchvision's would shrink 32x32 to 8x8 at once. ViT and MaxViT are
+    built for the image size instead, and their stem, which cuts the image into patches, stays.
+    GoogLeNet and Inception v3 are built without the auxiliary outputs their training forward
+    would return."""
+    import torchvision
+    fixed = arch.startswith(("vit_", "maxvit"))
+    if arch.startswith("vit_"):
+        options["image_size"] = image_size
+    if arch.startswith("maxvit"):
+        options["input_size"] = (image_size, image_size)
+    if arch in ("googlenet", "inception_v3"):
+        options.update(aux_logits=False, init_weights=True)
+    net = torchvision.models.get_model(arch, weights=None, num_classes=classes, **options)
+    name, stem = next((n, m) for n, m in net.named_modules() if isinstance(m, torch.nn.Conv2d))
+    small = image_size <= 64 and not fixed
+    if small or channels != 3:
+        shape = (stem.kernel_size, stem.stride, stem.padding)
+        if small:
+            shape = (3, 1, 1)
+        net.set_submodule(name, torch.nn.Conv2d(channels, stem.out_channels, *shape,
+                                                bias=stem.bias is not None))
+        # As torchvision initialises a ResNet's.
+        torch.nn.init.kaiming_normal_(net.get_submodule(name).weight, mode="fan_out",
+                                      nonlinearity="relu")
+    if small and hasattr(net, "maxpool"):
+        net.maxpool = torch.nn.Identity()
+    # Two blank images, in evaluation mode (nothing drawn, no statistics moved): a model that
+    # cannot take these images is refused now, not at the first step.
+    with torch.no_grad():
+        logits = net.eval()(torch.zeros(2, channels, image_size, image_size))
+    if logits.shape != (2, classes):
+        raise ValueError(f"it gives {tuple(logits.shape)} for 2 images")
+    return net
+
+
+def fits(arch, classes, channels, image_size, options):
+    """Whether `arch` takes such images, tried on the meta device (no weights are made)."""
+    try:
+        with torch.device("meta"):
+            tried(arch, classes, channels, image_size, dict(options))
+    except Exception:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- a stop every rank agrees on
@@ -502,14 +587,31 @@ class Position:
         return f"epoch {self.epoch - 1} done"
 
 
-def check_keys(state, wanted):
-    """Refuses a checkpoint without the keys this script reads, in one line that names them and
-    those it holds instead."""
+def check_keys(state, wanted, script):
+    """Refuses a checkpoint of another page, naming it, or one without the keys this page reads, in
+    one line that names them and those it holds instead."""
+    written_by = state.get("script", script)
+    if written_by != script:
+        raise ValueError(f"it was written by {written_by}, which keeps other state: resume it with "
+                         f"{written_by}, or start {script} without --resume")
     missing = wanted - state.keys()
     if missing:
         raise ValueError(f"it lacks {', '.join(sorted(missing))} and holds "
                          f"{', '.join(sorted(state.keys() - wanted))}: it was written by another "
                          f"script, or by an older version of this one")
+
+
+def load_states(things, states, path, master):
+    """Each of `things`, by name (the model, its optimizer, the schedule, and yours), loads its
+    state from `states`; a state of another kind, or none, is refused in one line."""
+    for name, thing in things.items():
+        try:
+            thing.load_state_dict(states[name])
+        except Exception as e:
+            why = f"its {name} is not this run's ({one_line(e)})"
+            if name not in states:
+                why = f"it holds no {name} (it was written without it)"
+            sys.exit(f"error: cannot resume from {path}: {why}" if master else 1)
 
 
 def resume_check(saved, here, path, master):
@@ -656,8 +758,10 @@ class Progress:
         return time.perf_counter() - self.started
 
     def say(self, here, trained, lr, **fields):
-        """The line, from rank 0: `trained` is the epoch's sums so far over all ranks; `fields` are
-        a page's own numbers, by name (grad_norm=0.93)."""
+        """The line, from rank 0: `trained` is the epoch's sums so far over all ranks (with the
+        gradient's norms, their mean and largest since the last line); `fields` are a page's own
+        numbers, by name (top5=0.93)."""
+        fields = {**norms(trained, "_line"), **fields}
         now = time.perf_counter()
         rate = (here.step - self.last_step) * self.global_batch / (now - self.last_time)
         spent = now - self.started
@@ -711,11 +815,11 @@ def new_metrics(script, args, devices, backend, world_size, test_samples):
 
 def epoch_record(epoch, trained, seconds, tested):
     """An epoch's line of metrics.json, from the training's sums over all ranks (loss, correct,
-    samples) and what the evaluation measured."""
+    samples, and the gradient's norms: their mean and largest) and what the evaluation measured."""
     return {"epoch": epoch, "train_loss": trained["loss"] / trained["samples"],
             "train_acc": trained["correct"] / trained["samples"], **tested,
             "samples": trained["samples"], "samples_per_s": trained["samples"] / seconds,
-            "seconds": seconds}
+            "seconds": seconds, **norms(trained)}
 
 
 def write_outputs(metrics):
