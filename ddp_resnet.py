@@ -41,7 +41,8 @@ training.add_argument("--epochs", type=common.positive_int, default=5,
 training.add_argument("--batch-size", type=common.positive_int, default=256,
                       help="global batch, over all ranks")
 training.add_argument("--lr", type=common.positive_float, default=0.05,
-                      help="learning rate per 256 samples of the global batch")
+                      help="SGD's learning rate for 256 samples, scaled linearly with the global "
+                      "batch (make_optimizer(): the rule goes with the optimizer)")
 training.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
                       help="epochs of the learning rate's linear ramp-up")
 training.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
@@ -63,7 +64,8 @@ training.add_argument("--train-samples", type=common.positive_int, help="only N 
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
                       help="scale the averaged gradient down to this total norm, when above it "
-                      "(the progress line shows its norm before)")
+                      "(the progress line shows its norm before: the mean and the largest of the "
+                      "steps since the line before or the epoch's start; metrics.json the epoch's)")
 training.add_argument("--sync-bn", action="store_true",
                       help="BatchNorm statistics over all ranks (CUDA only)")
 training.add_argument("--comm-hook", choices=("bf16", "fp16", "powersgd"),
@@ -114,9 +116,9 @@ def parse_args(argv=None):
                      f"{args.label_smoothing:g}")
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     # Taken, it would fail at the run's first save, after training.
-    if os.path.isdir(args.checkpoint):
+    if os.path.isdir(args.checkpoint) or args.checkpoint.endswith(("/", os.sep)):
         raise SystemExit(f"error: --checkpoint {args.checkpoint} is a folder: ddp_resnet.py "
-                         "keeps its checkpoint in a file")
+                         "keeps its checkpoint in a file (name one: DIR/checkpoint.pt)")
     return args
 
 
@@ -154,15 +156,22 @@ def make_model(args, shape, classes):
 
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
-    """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
-    biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
-    scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
-    batches diverge without one), then decayed to zero along a cosine. The schedule is counted in
-    optimizer steps: the loop steps it after each one."""
-    decay = [p for p in raw_model.parameters() if p.ndim > 1]
-    no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
+    """SGD with momentum, its learning rate from --lr, and its schedule: swap the optimizer here,
+    and the rule that makes its rate with it. It holds only the parameters that train: a frozen one
+    (requires_grad_(False)) gets no update, no weight decay and no momentum. Weight decay on the
+    weights only: decaying BatchNorm's parameters and the biases (the 1-D ones) only fights the
+    normalisation. The rate: raised linearly over the warm-up (large batches diverge without one),
+    then decayed to zero along a cosine, counted in optimizer steps: the loop steps the schedule
+    after each one."""
+    trained = [p for p in raw_model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim > 1]
+    no_decay = [p for p in trained if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
+    # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
+    # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
+    # line with the optimizer.
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=args.nesterov)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -212,17 +221,8 @@ def train_step(model, optimizer, X, y, step, args, sums):
     if args.clip_grad_norm:
         # The total norm of the gradient DDP averaged, the same on every rank, before clipping.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-        sums["grad_norm"] += norm
-        sums["norms"] += 1
+        common.add_norm(sums, norm)
     optimizer.step()
-
-
-def mean_norm(trained):
-    """The gradient's total norm before clipping, the mean of the epoch's steps so far over all
-    ranks, by name; nothing without --clip-grad-norm."""
-    if not trained["norms"]:
-        return {}
-    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
 
 
 @torch.no_grad()
@@ -233,17 +233,16 @@ def evaluate(eval_model, batches, args, device):
     to every rank before a forward: the last training forward left each rank its own."""
     for buffer in eval_model.buffers():
         dist.broadcast(buffer, src=0)   # DDP: rank 0's BatchNorm statistics
-    eval_model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
-    for X, y in batches:
-        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
-        y = y.to(device, non_blocking=True)
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            logits = eval_model(X)
-        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums["correct"] += (logits.argmax(1) == y).sum()
-        sums["samples"] += len(y)
-    eval_model.train()
+    with common.evaluating(eval_model):
+        for X, y in batches:
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
+            y = y.to(device, non_blocking=True)
+            with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+                logits = eval_model(X)
+            sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
+            sums["correct"] += (logits.argmax(1) == y).sum()
+            sums["samples"] += len(y)
     tested = sums.total()   # DDP: summed over all ranks
     return {"test_loss": tested["loss"] / tested["samples"],
             "test_acc": tested["correct"] / tested["samples"],
@@ -253,13 +252,12 @@ def evaluate(eval_model, batches, args, device):
 # ---------------------------------------------------------------- checkpoints
 class Checkpoint:
     """One file, written by rank 0 and read by rank 0 alone (only its node's disk needs it): the
-    weights, the optimizer and its schedule, the run's position, the training flags it was written
-    with and the history of its epochs."""
-    KEYS = {"position", "flags", "history", "optimizer", "scheduler"}
+    state of each of `things` (the model, the optimizer, the schedule, and what you add), the run's
+    position, the training flags it was written with and the history of its epochs."""
+    KEYS = {"position", "flags", "history", "state"}
 
-    def __init__(self, args, raw_model, optimizer, scheduler, flags, metrics, steps_per_epoch):
-        self.path, self.every = args.checkpoint, args.checkpoint_every
-        self.raw_model, self.optimizer, self.scheduler = raw_model, optimizer, scheduler
+    def __init__(self, args, things, flags, metrics, steps_per_epoch):
+        self.path, self.every, self.things = args.checkpoint, args.checkpoint_every, things
         self.flags, self.metrics, self.steps_per_epoch = flags, metrics, steps_per_epoch
         self.master = dist.get_rank() == 0   # DDP: rank 0 writes it
         # Made now, not at the first save: a folder that cannot be made stops the run at once.
@@ -275,10 +273,9 @@ class Checkpoint:
     def save(self, position):
         """On every rank at the same step; rank 0 writes."""
         if self.master:
-            state = {"position": dataclasses.asdict(position), "flags": self.flags,
-                     "history": self.metrics["epochs"], "model": self.raw_model.state_dict(),
-                     "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict()}
+            things = {name: thing.state_dict() for name, thing in self.things.items()}
+            state = {"script": os.path.basename(__file__), "position": dataclasses.asdict(position),
+                     "flags": self.flags, "history": self.metrics["epochs"], "state": things}
             common.save_atomically(lambda tmp: torch.save(state, tmp), self.path)
             where = position.where(self.steps_per_epoch)
             print(f"  checkpoint: step {position.step} ({where})", flush=True)
@@ -288,16 +285,15 @@ class Checkpoint:
     def resume(self, final_step):
         """The position to go on from, and the history back in metrics["epochs"]: from step 0
         without a checkpoint, None when this run has nothing left to train. Rank 0 reads the file
-        and sends it to every rank, but for the weights: the DDP wrap broadcasts rank 0's. An
-        error is said once."""
+        and sends it to every rank; the training flags are compared before any state is loaded,
+        then every rank loads each thing's. An error is said once."""
         state = [None]
         if self.master and not os.path.exists(self.path):
             print(f"no checkpoint at {self.path}: training starts from step 0", flush=True)
         elif self.master:
             try:
                 state[0] = torch.load(self.path, map_location="cpu")
-                self.raw_model.load_state_dict(state[0].pop("model"))
-                common.check_keys(state[0], self.KEYS)
+                common.check_keys(state[0], self.KEYS, os.path.basename(__file__))
             except Exception as e:
                 # A foreign file can raise anything: say which file, and why.
                 state[0] = f"error: cannot resume from {self.path}: {common.one_line(e, 400)}"
@@ -308,14 +304,9 @@ class Checkpoint:
             return common.Position()
         here = common.resume_position(state[0], self.flags, self.path, self.steps_per_epoch,
                                       final_step, self.master)
-        try:
-            self.optimizer.load_state_dict(state[0]["optimizer"])
-            self.scheduler.load_state_dict(state[0]["scheduler"])
-        except (KeyError, ValueError) as e:
-            # Another optimizer or schedule than the one that wrote it.
-            raise SystemExit(f"error: cannot resume from {self.path}: its optimizer or schedule "
-                             f"is not this one's ({common.one_line(e)})" if self.master else 1)
-        self.metrics["epochs"] = state[0]["history"]
+        if here:
+            common.load_states(self.things, state[0]["state"], self.path, self.master)
+            self.metrics["epochs"] = state[0]["history"]
         return here
 
 
@@ -355,11 +346,12 @@ def wrap(raw_model, args, device, backend, resumed):
 
 
 def bytes_sent_per_step(raw_model, args, powersgd, steps, world_size):
-    """What each rank hands to allreduce per step: every gradient once, in 16 bits with a 16-bit
-    hook; with PowerSGD, the mean of its plain and its compressed steps."""
+    """What each rank hands to allreduce per step: every gradient once (a frozen parameter has
+    none), in 16 bits with a 16-bit hook; with PowerSGD, the mean of its plain and its compressed
+    steps."""
     if world_size == 1:
         return {}
-    sent = common.nbytes(*raw_model.parameters())
+    sent = common.nbytes(*[p for p in raw_model.parameters() if p.requires_grad])
     if args.comm_hook in ("bf16", "fp16"):
         sent //= 2
     if powersgd:
@@ -447,7 +439,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). No step waits for another rank: the stop vote a step
     starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -473,7 +465,8 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
             trained = sums.total()   # DDP: the sums over all ranks
-            progress.say(here, trained, lr, **mean_norm(trained))
+            progress.say(here, trained, lr)
+            sums.restart("_line")
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -491,7 +484,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # DDP: summed over all ranks
-    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
+    record = common.epoch_record(epoch, trained, seconds, tested)
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -499,6 +492,16 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
               f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
               f"{seconds:.1f} s", flush=True)
         common.write_outputs(metrics)
+
+
+def say_start(raw_model, shape, optimizer, args, world_size, device, backend):
+    """The run's first line, from rank 0: the model, the ranks, the batch, the optimizer."""
+    if dist.get_rank() == 0:   # DDP: rank 0 says it
+        print(f"ddp_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) on "
+              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
+              f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), "
+              f"{type(optimizer).__name__} at lr {optimizer.param_groups[0]['initial_lr']:g}",
+              flush=True)
 
 
 def train(args):
@@ -516,20 +519,20 @@ def train(args):
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = resume_flags(args, shape, len(train_set), device, world_size)
-    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, flags, metrics, steps_per_epoch)
+    # What a checkpoint keeps and every rank loads at a resume, by name (each has state_dict() and
+    # load_state_dict()), and the model evaluated and saved as model.pt: an EMA of the weights
+    # goes here (README's "Your own model").
+    things = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
+    evaluated = raw_model
+    checkpoint = Checkpoint(args, things, flags, metrics, steps_per_epoch)
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return raw_model
     model, powersgd = wrap(raw_model, args, device, backend, resumed=here.step > 0)   # DDP: wrap
-    eval_model = raw_model
+    eval_model = evaluated
     if args.compile:
-        model, eval_model = torch.compile(model), torch.compile(raw_model)
-    if master:
-        print(f"ddp_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) on "
-              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
-              f"{args.batch_size // world_size}, {args.accum_steps} micro-step(s), "
-              f"{type(optimizer).__name__} at lr {optimizer.param_groups[0]['initial_lr']:g}",
-              flush=True)
+        model, eval_model = torch.compile(model), torch.compile(evaluated)
+    say_start(raw_model, shape, optimizer, args, world_size, device, backend)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DDP: one order, new each epoch
@@ -559,7 +562,7 @@ def train(args):
     if master and metrics["epochs"]:
         sent = bytes_sent_per_step(raw_model, args, powersgd, here.step - progress.first_step,
                                    world_size)
-        common.finish(metrics, here.step, progress.spent(), raw_model.state_dict(), sent)
+        common.finish(metrics, here.step, progress.spent(), evaluated.state_dict(), sent)
     return raw_model
 
 
