@@ -46,7 +46,8 @@ training.add_argument("--epochs", type=common.positive_int, default=5,
 training.add_argument("--batch-size", type=common.positive_int, default=256,
                       help="global batch, over all ranks")
 training.add_argument("--lr", type=common.positive_float, default=0.05,
-                      help="learning rate per 256 samples of the global batch")
+                      help="SGD's learning rate for 256 samples, scaled linearly with the global "
+                      "batch (make_optimizer(): the rule goes with the optimizer)")
 training.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
                       help="epochs of the learning rate's linear ramp-up")
 training.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
@@ -64,7 +65,8 @@ training.add_argument("--amp", action="store_true",
                       help="bfloat16 mixed precision (BatchNorm in float32)")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
                       help="scale the averaged gradient down to this total norm, when above it "
-                      "(the progress line shows its norm before)")
+                      "(the progress line shows its norm before: the mean and the largest of the "
+                      "steps since the line before or the epoch's start; metrics.json the epoch's)")
 training.add_argument("--hsdp", action="store_true", help="shard within each node (torchrun's "
                       "--nproc_per_node), replicate across nodes: only an all-reduce crosses them")
 parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
@@ -136,16 +138,22 @@ def make_model(args, shape, classes):
 
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
-    """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
-    biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
-    scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
-    batches diverge without one), then decayed to zero along a cosine. The schedule is counted in
-    optimizer steps: the loop steps it after each one. Handed the sharded model, it keeps the
-    momentum of this rank's shards only."""
-    decay = [p for p in raw_model.parameters() if p.ndim > 1]
-    no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
+    """SGD with momentum, its learning rate from --lr, and its schedule: swap the optimizer here,
+    and the rule that makes its rate with it. It holds only the parameters that train: a frozen one
+    (requires_grad_(False)) gets no update, no weight decay and no momentum. Weight decay on the
+    weights only: decaying BatchNorm's parameters and the biases (the 1-D ones) only fights the
+    normalisation. The rate: raised linearly over the warm-up (large batches diverge without one),
+    then decayed to zero along a cosine, counted in optimizer steps: the loop steps the schedule
+    after each one. Handed the sharded model, it keeps the momentum of this rank's shards only."""
+    trained = [p for p in raw_model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim > 1]
+    no_decay = [p for p in trained if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
+    # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
+    # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
+    # line with the optimizer.
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -170,11 +178,12 @@ def train_step(model, optimizer, X, y, step, args, sums):
     loss = F.cross_entropy(logits.float(), y)
     loss.backward()   # FSDP: gather again, then reduce-scatter
     if args.clip_grad_norm:
-        # FSDP: the norms of this rank's shards, combined over the ranks: the whole gradient's
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+        # FSDP: the norms of this rank's shards, combined over the ranks: the whole gradient's (a
+        # frozen parameter has none)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).full_tensor()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.clip_grad_norm, norm)
-        sums["grad_norm"] += norm
-        sums["norms"] += 1
+        common.add_norm(sums, norm)
     optimizer.step()   # FSDP: each rank updates its shards
     sums["loss"] += loss.detach() * len(y)
     sums["correct"] += (logits.argmax(1) == y).sum()
@@ -190,17 +199,16 @@ def evaluate(model, batches, args, device):
     batches updated its own: every rank evaluates rank 0's, those model.pt holds."""
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
-    model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
     # FSDP: as many forwards on every rank, each gathering the blocks
-    for X, y in batches:
-        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
-        y = y.to(device, non_blocking=True)
-        logits = model(X)
-        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums["correct"] += (logits.argmax(1) == y).sum()
-        sums["samples"] += len(y)
-    model.train()
+    with common.evaluating(model):
+        for X, y in batches:
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
+            y = y.to(device, non_blocking=True)
+            logits = model(X)
+            sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
+            sums["correct"] += (logits.argmax(1) == y).sum()
+            sums["samples"] += len(y)
     tested = sums.total()   # FSDP: summed over all ranks
     return {"test_loss": tested["loss"] / tested["samples"],
             "test_acc": tested["correct"] / tested["samples"],
@@ -210,16 +218,16 @@ def evaluate(model, batches, args, device):
 # ---------------------------------------------------------------- checkpoints
 class Checkpoint:
     """A folder of checkpoints, each a folder `step-N` that torch.distributed.checkpoint (DCP)
-    fills: each rank writes its own shards (on storage every node sees), and no rank ever holds
-    the whole model. Beside them rank 0 writes progress.pt: the schedule, the run's position, the
-    training flags it was written with and the history of its epochs. Each is written as
+    fills with the state of each of `things` (the model, the optimizer, the schedule, and what you
+    add): each rank writes its own shards (on storage every node sees), and no rank ever holds the
+    whole model. Beside them rank 0 writes progress.pt: the run's position, the training flags it
+    was written with and the history of its epochs. Each is written as
     `step-N.tmp` and renamed when complete; older ones go only then, so that a complete checkpoint
     exists at every moment (a crash leaves at worst a `.tmp` folder, which is ignored)."""
-    KEYS = {"position", "flags", "history", "scheduler"}
+    KEYS = {"position", "flags", "history"}
 
-    def __init__(self, args, model, optimizer, scheduler, flags, metrics, steps_per_epoch):
-        self.path, self.every = args.checkpoint, args.checkpoint_every
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+    def __init__(self, args, things, flags, metrics, steps_per_epoch):
+        self.path, self.every, self.things = args.checkpoint, args.checkpoint_every, things
         self.flags, self.metrics, self.steps_per_epoch = flags, metrics, steps_per_epoch
         self.master = dist.get_rank() == 0   # FSDP: rank 0 alone writes progress.pt
 
@@ -233,22 +241,20 @@ class Checkpoint:
         """On every rank at the same step: each writes its own shards, then rank 0 the progress."""
         # DCP writes an unsharded tensor (BatchNorm's statistics) once, from any one rank: every
         # rank must hold the same ones, rank 0's, those model.pt holds.
-        for buffer in self.model.buffers():
+        for buffer in self.things["model"].buffers():
             dist.broadcast(buffer, src=0)   # FSDP: rank 0's BatchNorm statistics
-        # FSDP: sharded state dicts (DTensors)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = self.sharded()
         done = f"{self.path}/step-{position.step:08d}"
         if self.master:
             shutil.rmtree(f"{done}.tmp", ignore_errors=True)
             os.makedirs(self.path, exist_ok=True)
         # FSDP: the folder is clean before anyone writes
         dist.barrier()   # FSDP: wait for rank 0
-        state = {"model": model_state, "optimizer": optimizer_state}
         dcp.save(state, checkpoint_id=f"{done}.tmp")   # FSDP: each rank its own shards
         # dcp.save returns once every rank's shards and the metadata are written (and synced).
         if self.master:
-            progress = {"position": dataclasses.asdict(position), "flags": self.flags,
-                        "history": self.metrics["epochs"], "scheduler": self.scheduler.state_dict()}
+            progress = {"script": os.path.basename(__file__), "flags": self.flags,
+                        "position": dataclasses.asdict(position), "history": self.metrics["epochs"]}
             common.save_atomically(lambda tmp: torch.save(progress, tmp), f"{done}.tmp/progress.pt")
             # The same step, saved before: set aside, not deleted, until the new one is in.
             if os.path.exists(done):
@@ -277,7 +283,7 @@ class Checkpoint:
         elif self.master:
             try:
                 progress = torch.load(f"{found[0]}/progress.pt", map_location="cpu")
-                common.check_keys(progress, self.KEYS)
+                common.check_keys(progress, self.KEYS, os.path.basename(__file__))
                 found[0] = (found[0], progress)
             except Exception as e:
                 # A foreign file can raise anything: say which checkpoint, and why.
@@ -290,7 +296,9 @@ class Checkpoint:
             # The flags first: a checkpoint of other ones is refused before its shards are read.
             here = common.resume_position(found[0][1], self.flags, self.path,
                                           self.steps_per_epoch, final_step, self.master)
-            error = self.load_shards(*found[0])
+            error = None
+            if here:
+                error = self.load_shards(found[0][0])
         errors = common.every_rank(error, dist.get_world_size())   # FSDP: any rank's error
         if any(errors):
             raise SystemExit(f"error: cannot resume from {next(e for e in errors if e)}"
@@ -299,15 +307,22 @@ class Checkpoint:
         self.metrics["epochs"] = progress["history"]
         return here
 
-    def load_shards(self, folder, progress):
-        """This rank's shards from `folder`, and the schedule: None, or what went wrong."""
+    def sharded(self):
+        """The things as DCP saves and loads them: the model and its optimizer as this rank's
+        shards (FSDP's state dicts, of DTensors), the others as they are (DCP calls their
+        state_dict() and load_state_dict())."""
+        model, optimizer = self.things["model"], self.things["optimizer"]
+        # FSDP: sharded state dicts (DTensors)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {**self.things, "model": model_state, "optimizer": optimizer_state}
+
+    def load_shards(self, folder):
+        """This rank's shards from `folder`, and the others' state: None, or what went wrong."""
         try:
-            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_state, "optimizer": optimizer_state}
+            state = self.sharded()
             dcp.load(state, checkpoint_id=folder)   # FSDP: resharded to this world size
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
-            self.scheduler.load_state_dict(progress["scheduler"])
+            set_state_dict(self.things["model"], self.things["optimizer"],
+                           model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         except Exception as e:
             rank = dist.get_rank()   # FSDP: which rank failed
             return f"{folder}: {common.one_line(e, 400)} (rank {rank})"
@@ -340,39 +355,85 @@ def device_mesh(device, world_size, processes_here, hsdp):
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+# Every kind of BatchNorm, which --amp keeps in float32.
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+               torch.nn.SyncBatchNorm)
+
+
 def shard(raw_model, mesh, amp):
     """FSDP: shard each block, then the root (the rest: a ResNet's stem and last layer), in place.
     A block's parameters are gathered just before it runs and freed after, so that at most one
     block is ever whole. A 2-D mesh (replicate, shard) makes it HSDP. Returns the sharded model."""
     precision = MixedPrecisionPolicy()
     if amp:
-        # bf16 compute, gradients summed in fp32. BatchNorm stays fp32 (its running statistics
-        # are, and CPU kernels refuse a mix), with a bf16 output.
+        # bf16 compute, gradients summed in fp32. BatchNorm of every kind stays fp32 (its running
+        # statistics are, and CPU kernels refuse a mix), with a bf16 output.
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         norm_precision = MixedPrecisionPolicy(param_dtype=torch.float32,
                                               reduce_dtype=torch.float32,
                                               output_dtype=torch.bfloat16)
-        for norm in [m for m in raw_model.modules() if isinstance(m, torch.nn.BatchNorm2d)]:
+        for norm in [m for m in raw_model.modules() if isinstance(m, BATCH_NORMS)]:
             fully_shard(norm, mesh=mesh, mp_policy=norm_precision)   # FSDP: each BatchNorm
-    for block in blocks(raw_model):
-        fully_shard(block, mesh=mesh, mp_policy=precision)   # FSDP: each block
+    for unit in blocks(raw_model):
+        # A BatchNorm that --amp made a unit above stays one.
+        if not (amp and isinstance(unit, BATCH_NORMS)):
+            fully_shard(unit, mesh=mesh, mp_policy=precision)   # FSDP: each block
     return fully_shard(raw_model, mesh=mesh, mp_policy=precision)   # FSDP: the rest
 
 
 def blocks(model):
-    """FSDP: the units to shard, the model's blocks: the outermost modules made of layers whose
+    """FSDP: the units to shard. The model's blocks: the outermost modules made of layers whose
     class repeats (ResNet's BasicBlock, EfficientNet's MBConv, a transformer's layer), which
-    nn.Sequential and nn.ModuleList only hold. For your own model, return its blocks here."""
+    nn.Sequential, nn.ModuleList and nn.ModuleDict only hold; a block with blocks inside that holds
+    more than a quarter of the parameters gives its blocks instead. Then, if what is left to the
+    root holds more than a quarter (VGG's layers, a large classifier), each of its layers is a unit
+    too. Modules that share a parameter go in one unit (a list of them). For your own model,
+    return its units here."""
     repeats = collections.Counter(type(m) for m in model.modules())
-    found, todo = [], list(model.children())
-    while todo:
-        module = todo.pop()
-        holder = isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList))
-        if repeats[type(module)] > 1 and list(module.children()) and not holder:
-            found.append(module)
+    holders = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+    every_block = {m for m in model.modules()
+                   if repeats[type(m)] > 1 and list(m.children()) and not isinstance(m, holders)}
+    quarter = size(model) / 4
+    found = []
+    add_blocks(model, every_block, quarter, found)
+    # The root's rest, too large: its layers.
+    if size(model) - sum(size(unit) for unit in found) > quarter:
+        inside = {m for unit in found for m in unit.modules()}
+        layers = [m for m in model.modules() if not list(m.children()) and size(m)]
+        found += [layer for layer in layers if layer not in inside]
+    return shared_in_one_unit(model, found)
+
+
+def add_blocks(module, every_block, quarter, found):
+    """The outermost blocks inside `module` into `found`; one with blocks inside that holds more
+    than a quarter of the parameters gives its blocks instead."""
+    for child in module.children():
+        inner = every_block.intersection(child.modules()) - {child}
+        if child in every_block and not (inner and size(child) > quarter):
+            found.append(child)
         else:
-            todo += module.children()
-    return found
+            add_blocks(child, every_block, quarter, found)
+
+
+def size(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+def shared_in_one_unit(model, units):
+    """`units`, where those that share a parameter become one; a unit that shares one with the
+    root's own layers is left to the root."""
+    unit_of = {m: unit for unit in units for m in unit.modules()}
+    holders = collections.defaultdict(set)
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders[p].add(unit_of.get(m, model))
+    groups = [[unit] for unit in units]
+    for shared in [h for h in holders.values() if len(h) > 1]:
+        joined = [group for group in groups if shared.intersection(group)]
+        groups = [group for group in groups if group not in joined]
+        if model not in shared:
+            groups.append(sum(joined, []))
+    return [group[0] if len(group) == 1 else group for group in groups]
 
 
 def bytes_sent_per_step(model, mesh, amp):
@@ -391,19 +452,28 @@ def bytes_sent_per_step(model, mesh, amp):
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     # Each parameter is its innermost unit's: modules() lists a unit before those inside it.
     owner = {p: unit for unit in units for p in unit.parameters()}
+    # Frozen units ahead of every parameter that trains run no backward, and are not gathered
+    # again; but for the outermost one that holds the last of them, which FSDP prefetches for the
+    # backward of the unit after it.
+    position = {p: i for i, p in enumerate(model.parameters())}
+    first = min([position[p] for p in position if p.requires_grad], default=len(position))
+    ahead = [u for u in units if all(position[p] < first for p in u.parameters())]
+    prefetched = [u for u in ahead if any(position[p] == first - 1 for p in u.parameters())][:1]
     for p, unit in owner.items():
         # This rank's shard: dim 0 padded to a multiple of the shard group.
         shard = math.ceil(p.shape[0] / shards) * math.prod(p.shape[1:])
         gathers = 2
-        if unit is model:
+        if unit is model or (unit in ahead and unit not in prefetched):
             gathers = 1
         # Gathered in bf16 with --amp, BatchNorm's in fp32.
         itemsize = 4
-        if amp and not isinstance(unit, torch.nn.BatchNorm2d):
+        if amp and not isinstance(unit, BATCH_NORMS):
             itemsize = 2
         sent[f"all_gather ({group})"] += gathers * shard * itemsize
-        sent[f"reduce_scatter ({group})"] += shards * shard * 4
-        if mesh.ndim > 1:
+        # A frozen parameter has no gradient to reduce.
+        if p.requires_grad:
+            sent[f"reduce_scatter ({group})"] += shards * shard * 4
+        if p.requires_grad and mesh.ndim > 1:
             sent[f"all_reduce (replicate group of {mesh.size(0)})"] += shard * 4
     return sent
 
@@ -492,7 +562,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). No step waits for another rank: the stop vote a step
     starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # FSDP: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -518,7 +588,8 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
             trained = sums.total()   # FSDP: the sums over all ranks
-            progress.say(here, trained, lr, **mean_norm(trained))
+            progress.say(here, trained, lr)
+            sums.restart("_line")
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -536,7 +607,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # FSDP: summed over all ranks
-    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
+    record = common.epoch_record(epoch, trained, seconds, tested)
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -544,14 +615,6 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
               f"{record['test_acc']:.4f}  {record['samples_per_s']:,.0f} samples/s  "
               f"{seconds:.1f} s", flush=True)
         common.write_outputs(metrics)
-
-
-def mean_norm(trained):
-    """The gradient's total norm before clipping, the mean of the epoch's steps so far over all
-    ranks, by name; nothing without --clip-grad-norm."""
-    if not trained["norms"]:
-        return {}
-    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
 
 
 def report_memory(metrics, model, optimizer, mesh, device, world_size, master):
@@ -567,6 +630,18 @@ def report_memory(metrics, model, optimizer, mesh, device, world_size, master):
               f"{held[0]['grads'] / 1e6:.1f} MB gradients, "
               f"{held[0]['optimizer_state'] / 1e6:.1f} MB optimizer state (of {whole / 1e6:.1f} MB "
               f"each, all of which DDP keeps on every rank)", flush=True)
+
+
+def say_start(model, shape, optimizer, mesh, args, world_size, device, backend):
+    """The run's first line, from rank 0: the model, the ranks, the batch, the shards, the
+    optimizer."""
+    if dist.get_rank() == 0:   # FSDP: rank 0 says it
+        replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
+        print(f"fsdp_resnet: {type(model).__name__} for {shape} images, {world_size} rank(s) on "
+              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
+              f"{args.batch_size // world_size}, parameters sharded {mesh.size(mesh.ndim - 1)} "
+              f"ways{replicas}, {type(optimizer).__name__} at lr "
+              f"{optimizer.param_groups[0]['initial_lr']:g}", flush=True)
 
 
 def train(args):
@@ -585,17 +660,14 @@ def train(args):
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = resume_flags(args, shape, len(train_set), world_size)
-    checkpoint = Checkpoint(args, model, optimizer, scheduler, flags, metrics, steps_per_epoch)
+    # What a checkpoint keeps and every rank loads at a resume, by name (each has state_dict() and
+    # load_state_dict()): yours go here.
+    things = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    checkpoint = Checkpoint(args, things, flags, metrics, steps_per_epoch)
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return None
-    if master:
-        replicas = f" in each of {mesh.size(0)} replicas (HSDP)" if args.hsdp else ""
-        print(f"fsdp_resnet: {type(model).__name__} for {shape} images, {world_size} rank(s) on "
-              f"{device} ({backend}), global batch {args.batch_size} = {world_size} x "
-              f"{args.batch_size // world_size}, parameters sharded {mesh.size(mesh.ndim - 1)} "
-              f"ways{replicas}, {type(optimizer).__name__} at lr "
-              f"{optimizer.param_groups[0]['initial_lr']:g}", flush=True)
+    say_start(model, shape, optimizer, mesh, args, world_size, device, backend)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # FSDP: one order, new each epoch

@@ -150,9 +150,10 @@ class DataParallel(nn.Module):
 
 def fully_shard(module, mesh=None, mp_policy=None, **options):
     """What FSDP2 does to devices: the module's states go to the mesh's device (the "GPU"), and the forward's inputs
-    to it (the root does that; inside, they are there already)."""
-    module.to(torch.device("cuda", 0))
-    module.register_forward_pre_hook(lambda m, inputs: to_device(inputs, device_of(m)))
+    to it (the root does that; inside, they are there already). A list of modules (one unit) is each of them."""
+    for each in module if isinstance(module, list) else [module]:
+        each.to(torch.device("cuda", 0))
+        each.register_forward_pre_hook(lambda m, inputs: to_device(inputs, device_of(m)))
     return module
 
 

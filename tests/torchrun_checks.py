@@ -77,9 +77,9 @@ def fsdp_load(checkpoint, out):
     model = fsdp_resnet.shard(other, mesh, amp=False)
     args = fsdp_resnet.parse_args(["--checkpoint", checkpoint])
     optimizer, scheduler = fsdp_resnet.make_optimizer(model, args, steps_per_epoch=1)
-    saved = fsdp_resnet.Checkpoint(args, model, optimizer, scheduler, None, None, steps_per_epoch=1)
-    folder = fsdp_resnet.newest_checkpoint(checkpoint)
-    assert saved.load_shards(folder, torch.load(os.path.join(folder, "progress.pt"))) is None
+    things = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    saved = fsdp_resnet.Checkpoint(args, things, None, None, steps_per_epoch=1)
+    assert saved.load_shards(fsdp_resnet.newest_checkpoint(checkpoint)) is None
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(state, out)
@@ -108,17 +108,22 @@ def fsdp_sent(hsdp):
     device = torch.device("cpu")
     shard_size = world_size // 2 if hsdp == "hsdp" else world_size
     mesh = fsdp_resnet.device_mesh(device, world_size, shard_size, hsdp == "hsdp")
-    def one_step(amp):   # the sharded model lives only in here: freed before the group goes
+    def one_step(amp, fine_tuned):   # the sharded model lives only in here: freed before the group goes
         counted.clear()
         torch.manual_seed(0)
-        model = fsdp_resnet.shard(common.classifier("resnet18", 10, channels=1, image_size=28), mesh, amp)
+        net = common.classifier("resnet18", 10, channels=1, image_size=28)
+        if fine_tuned:   # the stem and first stage frozen, a BatchNorm1d head
+            torch.nn.ModuleList([net.conv1, net.bn1, net.layer1]).requires_grad_(False).eval()
+            net.fc = torch.nn.Sequential(torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 10))
+        model = fsdp_resnet.shard(net, mesh, amp)
         computed = fsdp_resnet.bytes_sent_per_step(model, mesh, amp)
         X, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         torch.nn.functional.cross_entropy(model(X).float(), y).backward()
-        assert counted == {k.split(" ")[0]: v for k, v in computed.items()}, (amp, counted, computed)
+        assert counted == {k.split(" ")[0]: v for k, v in computed.items()}, (amp, fine_tuned, counted, computed)
         return computed
     for amp in (False, True):
-        computed = one_step(amp)
+        for fine_tuned in (False, True):
+            computed = one_step(amp, fine_tuned)
     print("fsdp sent ok", computed, flush=True)
     del mesh
     gc.collect()
