@@ -20,10 +20,12 @@ average of the ranks' SGD updates from the same weights is the update of their a
 rank clips its own gradient, where DDP clips their average.
 
 Data, model, optimizer and its schedule, checkpoints and preemption as in ddp_resnet.py.
-Evaluation and model.pt use the shared weights of the last sync. A checkpoint holds the shared
-weights and the outer momentum, and a folder beside it every rank's replica with its inner
-optimizer: a run stopped inside a round resumes in it (at the same world size). Copy it with
-common.py. Lines that exist only because of distribution are tagged `# DiLoCo:`.
+Evaluation and model.pt use the shared weights of the last sync, a state dict of the model's: a
+frozen parameter is neither sent nor stepped, and a buffer kept out of state_dict stays each
+rank's own. A checkpoint holds the shared weights and the outer momentum, and a folder beside it
+every rank's things (its replica, inner optimizer, schedule, and yours): a run stopped inside a
+round resumes in it (at the same world size). Copy it with common.py. Lines that exist only
+because of distribution are tagged `# DiLoCo:`.
 """
 import argparse, collections, copy, dataclasses, glob, math, os, shutil
 import torch
@@ -44,7 +46,8 @@ training.add_argument("--epochs", type=common.positive_int, default=5,
 training.add_argument("--batch-size", type=common.positive_int, default=256,
                       help="global batch, over all ranks")
 training.add_argument("--lr", type=common.positive_float, default=0.05,
-                      help="learning rate per 256 samples of the global batch")
+                      help="SGD's learning rate for 256 samples, scaled linearly with the global "
+                      "batch (make_optimizer(): the rule goes with the optimizer)")
 training.add_argument("--warmup-epochs", type=common.non_negative_float, default=0.0,
                       help="epochs of the learning rate's linear ramp-up")
 training.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
@@ -61,7 +64,9 @@ training.add_argument("--train-samples", type=common.positive_int, help="only N 
 training.add_argument("--amp", action="store_true", help="bfloat16 mixed precision")
 training.add_argument("--clip-grad-norm", type=common.positive_float, metavar="MAX",
                       help="scale each rank's own gradient down to this total norm, when above "
-                      "it (the progress line shows the ranks' mean norm before)")
+                      "it (the progress line shows its norm before: the mean over the ranks and "
+                      "the steps since the line before or the epoch's start, and the largest; "
+                      "metrics.json the epoch's)")
 training.add_argument("--local-steps", type=common.positive_int, default=10, help="H: inner steps "
                       "each rank takes alone between two syncs (1: every step, as DDP)")
 training.add_argument("--outer-lr", type=common.positive_float, default=0.7,
@@ -100,9 +105,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.checkpoint = args.checkpoint or os.path.join(args.out, "checkpoint.pt")
     # Taken, it would fail at the run's first save, after training.
-    if os.path.isdir(args.checkpoint):
+    if os.path.isdir(args.checkpoint) or args.checkpoint.endswith(("/", os.sep)):
         raise SystemExit(f"error: --checkpoint {args.checkpoint} is a folder: diloco_resnet.py "
-                         "keeps its checkpoint in a file")
+                         "keeps its checkpoint in a file (name one: DIR/checkpoint.pt)")
     return args
 
 
@@ -135,16 +140,22 @@ def make_model(args, shape, classes):
 
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(raw_model, args, steps_per_epoch):
-    """SGD with momentum. Weight decay on the weights only: decaying BatchNorm's parameters and the
-    biases (the 1-D ones) only fights the normalisation. The learning rate: --lr per 256 samples,
-    scaled to the global batch (the linear scaling rule), raised linearly over the warm-up (large
-    batches diverge without one), then decayed to zero along a cosine. The schedule is counted in
-    optimizer steps: the loop steps it after each one. Here the inner optimizer, each rank's own,
-    that steps its replica."""
-    decay = [p for p in raw_model.parameters() if p.ndim > 1]
-    no_decay = [p for p in raw_model.parameters() if p.ndim <= 1]
+    """SGD with momentum, its learning rate from --lr, and its schedule: swap the optimizer here,
+    and the rule that makes its rate with it. It holds only the parameters that train: a frozen one
+    (requires_grad_(False)) gets no update, no weight decay and no momentum. Weight decay on the
+    weights only: decaying BatchNorm's parameters and the biases (the 1-D ones) only fights the
+    normalisation. The rate: raised linearly over the warm-up (large batches diverge without one),
+    then decayed to zero along a cosine, counted in optimizer steps: the loop steps the schedule
+    after each one. Here the inner optimizer, each rank's own, that steps its replica."""
+    trained = [p for p in raw_model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim > 1]
+    no_decay = [p for p in trained if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
+    # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
+    # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
+    # line with the optimizer.
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -173,8 +184,7 @@ def train_step(model, optimizer, X, y, step, args, sums):
     if args.clip_grad_norm:
         # The total norm of this replica's gradient, before clipping.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-        sums["grad_norm"] += norm
-        sums["norms"] += 1
+        common.add_norm(sums, norm)
     # The inner step, of this rank's replica.
     optimizer.step()
     sums["loss"] += loss.detach() * len(y)
@@ -187,21 +197,20 @@ def train_step(model, optimizer, X, y, step, args, sums):
 def evaluate(raw_model, outer, batches, args, device):
     """The test loss (plain cross-entropy) and accuracy of the shared weights of the last sync over
     all ranks, each test image counted once, and that count, in the training's precision and
-    memory layout. This rank's replica is put back after, in training mode."""
+    memory layout. This rank's replica is put back after, each module in its mode."""
     replica = copy.deepcopy(raw_model.state_dict())
-    raw_model.load_state_dict(outer.shared_state(raw_model))
-    raw_model.eval()
+    raw_model.load_state_dict(outer.shared)
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
-    for X, y in batches:
-        X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
-        y = y.to(device, non_blocking=True)
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            logits = raw_model(X)
-        sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums["correct"] += (logits.argmax(1) == y).sum()
-        sums["samples"] += len(y)
+    with common.evaluating(raw_model):
+        for X, y in batches:
+            X = X.to(device, non_blocking=True).contiguous(memory_format=memory_format(args))
+            y = y.to(device, non_blocking=True)
+            with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+                logits = raw_model(X)
+            sums["loss"] += F.cross_entropy(logits.float(), y, reduction="sum")
+            sums["correct"] += (logits.argmax(1) == y).sum()
+            sums["samples"] += len(y)
     raw_model.load_state_dict(replica)
-    raw_model.train()
     tested = sums.total()   # DiLoCo: summed over all ranks
     return {"test_loss": tested["loss"] / tested["samples"],
             "test_acc": tested["correct"] / tested["samples"],
@@ -211,16 +220,15 @@ def evaluate(raw_model, outer, batches, args, device):
 # ---------------------------------------------------------------- checkpoints
 class Checkpoint:
     """The checkpoint file, written by rank 0 and read by rank 0 alone: the position, the training
-    flags, the history of the epochs, the schedule, the shared weights and the outer momentum, and
-    the name of its replica folder. That folder, beside the file, holds every rank's replica and
-    inner optimizer (inside a round they differ), one file per rank, moved through rank 0 one at a
-    time: its memory does not grow with the world size. A resume needs the same world size."""
-    KEYS = {"position", "flags", "history", "scheduler", "outer", "world_size", "replicas"}
+    flags, the history of the epochs, the shared weights and the outer momentum, and the name of
+    its replica folder. That folder, beside the file, holds every rank's own `things` (its replica,
+    its inner optimizer, the schedule, and what you add: inside a round the replicas differ), one
+    file per rank, moved through rank 0 one at a time: its memory does not grow with the world
+    size. A resume needs the same world size."""
+    KEYS = {"position", "flags", "history", "outer", "world_size", "replicas"}
 
-    def __init__(self, args, raw_model, optimizer, scheduler, outer, flags, metrics,
-                 steps_per_epoch):
-        self.path, self.every = args.checkpoint, args.checkpoint_every
-        self.raw_model, self.optimizer, self.scheduler = raw_model, optimizer, scheduler
+    def __init__(self, args, things, outer, flags, metrics, steps_per_epoch):
+        self.path, self.every, self.things = args.checkpoint, args.checkpoint_every, things
         self.outer, self.flags, self.metrics = outer, flags, metrics
         self.steps_per_epoch = steps_per_epoch
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()   # DiLoCo: of how many
@@ -242,8 +250,8 @@ class Checkpoint:
         folder = f"{self.path}.replicas-step{position.step}"
         self.save_replicas(folder)
         if self.master:
-            state = {"position": dataclasses.asdict(position), "flags": self.flags,
-                     "history": self.metrics["epochs"], "scheduler": self.scheduler.state_dict(),
+            state = {"script": os.path.basename(__file__), "position": dataclasses.asdict(position),
+                     "flags": self.flags, "history": self.metrics["epochs"],
                      "outer": self.outer.state_dict(), "world_size": self.world_size,
                      "replicas": os.path.basename(folder)}
             common.save_atomically(lambda tmp: torch.save(state, tmp), self.path)
@@ -256,10 +264,9 @@ class Checkpoint:
         dist.barrier()   # DiLoCo: wait for rank 0's write
 
     def save_replicas(self, folder):
-        """Each rank's replica and inner optimizer into `folder`, a file per rank, written by rank 0
-        as it receives them, one at a time."""
-        replica = on_cpu({"model": self.raw_model.state_dict(),
-                          "optimizer": self.optimizer.state_dict()})
+        """Each rank's things into `folder`, a file per rank, written by rank 0 as it receives
+        them, one at a time."""
+        replica = on_cpu({name: thing.state_dict() for name, thing in self.things.items()})
         for sender in range(self.world_size):
             if self.master and sender:
                 received = [None]
@@ -275,22 +282,20 @@ class Checkpoint:
     def resume(self, final_step):
         """The position to go on from, and the history back in metrics["epochs"]: from step 0
         without a checkpoint, None when this run has nothing left to train. Rank 0 reads and checks
-        the file, sends every rank the position and the shared weights, then each rank its replica,
-        one at a time. An error is said once."""
-        found, mine = [None], None
+        the file, sends every rank the position and the shared weights; the training flags are
+        compared before any state is loaded; then rank 0 sends each rank its things, one at a time.
+        An error is said once."""
+        found = [None]
         if self.master and not os.path.exists(self.path):
             print(f"no checkpoint at {self.path}: training starts from step 0", flush=True)
         elif self.master:
             try:
                 found[0] = torch.load(self.path, map_location="cpu")
-                common.check_keys(found[0], self.KEYS)
+                common.check_keys(found[0], self.KEYS, os.path.basename(__file__))
                 written_by = found[0]["world_size"]
                 if written_by != self.world_size:
                     raise ValueError(f"it was written by {written_by} ranks, each with its own "
                                      f"replica; resume with {written_by}")
-                mine = self.replica(found[0], 0)
-                # Checked here, once.
-                self.raw_model.load_state_dict(mine["model"])
             except Exception as e:
                 # A foreign file can raise anything: say which file, and why.
                 found[0] = f"error: cannot resume from {self.path}: {common.one_line(e, 400)}"
@@ -300,31 +305,25 @@ class Checkpoint:
             raise SystemExit(state if self.master else 1)
         if state is None:
             return common.Position()
+        here = common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
+                                      final_step, self.master)
+        if here is None:
+            return None
+        mine = [self.replica(state, 0) if self.master else None]
         for receiver in range(1, self.world_size):
-            # Each rank its replica, one in rank 0's memory at a time.
+            # Each rank its things, one in rank 0's memory at a time.
             if self.master:
                 theirs = self.replica(state, receiver)
                 dist.send_object_list([theirs], dst=receiver)   # DiLoCo: rank `receiver`'s replica
             elif self.rank == receiver:
-                received = [None]
-                dist.recv_object_list(received, src=0)   # DiLoCo: this rank's replica
-                mine = received[0]
-        here = common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
-                                      final_step, self.master)
-        self.raw_model.load_state_dict(mine["model"])
-        try:
-            self.optimizer.load_state_dict(mine["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-        except (KeyError, ValueError) as e:
-            # Another optimizer or schedule than the one that wrote it.
-            raise SystemExit(f"error: cannot resume from {self.path}: its optimizer or schedule "
-                             f"is not this one's ({common.one_line(e)})" if self.master else 1)
+                dist.recv_object_list(mine, src=0)   # DiLoCo: this rank's replica
+        common.load_states(self.things, mine[0], self.path, self.master)
         self.outer.load_state_dict(state["outer"])
         self.metrics["epochs"] = state["history"]
         return here
 
     def replica(self, state, rank):
-        """Rank `rank`'s replica and inner optimizer, from the folder of the checkpoint `state`."""
+        """Rank `rank`'s things, from the folder of the checkpoint `state`."""
         path = os.path.join(os.path.dirname(self.path), state["replicas"], f"rank{rank}.pt")
         return torch.load(path, map_location="cpu")
 
@@ -343,13 +342,20 @@ def on_cpu(state):
 
 # ---------------------------------------------------------------- the outer step, and what it sends
 class Outer:
-    """The shared weights (of the last sync) and the outer optimizer that steps them. A round
-    ends every `local_steps` steps, and at the training's last step; `sent` counts the bytes this
-    rank hands to collectives."""
+    """The shared weights (of the last sync) and the outer optimizer that steps them. `shared` is a
+    state dict of the model's (its names; a weight tied in two modules is one tensor under both):
+    the outer step moves the parameters that train, and a sync brings rank 0's buffers (BatchNorm's
+    statistics); a frozen parameter never changes, and a buffer kept out of state_dict stays each
+    rank's own. A round ends every `local_steps` steps, and at the training's last step; `sent`
+    counts the bytes this rank hands to collectives."""
     def __init__(self, raw_model, lr, momentum, local_steps=1, last_step=None):
-        # Where every replica started the round.
-        self.params = [p.detach().clone() for p in raw_model.parameters()]
-        self.buffers = [b.detach().clone() for b in raw_model.buffers()]
+        # Where every replica started the round, by name; each tensor cloned once.
+        clones = {}
+        for t in raw_model.state_dict(keep_vars=True).values():
+            if t not in clones:
+                clones[t] = t.detach().clone()
+        self.shared = {name: clones[t] for name, t in raw_model.state_dict(keep_vars=True).items()}
+        self.params = [clones[p] for p in trained_params(raw_model)]
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum,
                                          nesterov=momentum > 0)
         self.local_steps, self.last_step = local_steps, last_step
@@ -359,11 +365,12 @@ class Outer:
         return step % self.local_steps == 0 or step == self.last_step
 
     def sync(self, raw_model, world_size):
-        """The end of a round: one allreduce of every parameter's pseudo-gradient (the weights of
-        the round's start minus this rank's), averaged, an outer step of the shared weights, and
-        every replica set to them; rank 0's BatchNorm statistics for all."""
+        """The end of a round: one allreduce of the pseudo-gradient of every parameter that trains
+        (the weights of the round's start minus this rank's), averaged, an outer step of the shared
+        weights, and every replica set to them; rank 0's BatchNorm statistics for all."""
+        replica = trained_params(raw_model)
         pseudo = torch.cat([(start - p.detach()).flatten()
-                            for start, p in zip(self.params, raw_model.parameters())])
+                            for start, p in zip(self.params, replica)])
         self.sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
         # DiLoCo: the round's only exchange of weights, H steps' worth
         dist.all_reduce(pseudo)   # DiLoCo: summed over all ranks
@@ -372,32 +379,31 @@ class Outer:
             start.grad = part.view_as(start)
         # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum.
         self.optimizer.step()
-        for buffer in raw_model.buffers():
+        buffers = {name: b for name, b in raw_model.state_dict(keep_vars=True).items()
+                   if not isinstance(b, torch.nn.Parameter)}
+        for buffer in buffers.values():
             self.sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
             dist.broadcast(buffer, src=0)   # DiLoCo: rank 0's BatchNorm statistics
         with torch.no_grad():
             # Every replica starts the next round from the shared weights.
-            for p, start in zip(raw_model.parameters(), self.params):
+            for p, start in zip(replica, self.params):
                 p.copy_(start)
-            for b, shared in zip(raw_model.buffers(), self.buffers):
-                shared.copy_(b)
-
-    def shared_state(self, raw_model):
-        """The shared weights as a state dict of `raw_model`'s names (for evaluation and
-        model.pt)."""
-        names = [name for name, _ in raw_model.named_parameters()]
-        names += [name for name, _ in raw_model.named_buffers()]
-        return dict(zip(names, self.params + self.buffers))
+            for name, buffer in buffers.items():
+                self.shared[name].copy_(buffer)
 
     def state_dict(self):
-        return {"params": self.params, "buffers": self.buffers,
-                "optimizer": self.optimizer.state_dict()}
+        return {"shared": self.shared, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
         with torch.no_grad():
-            for mine, saved in zip(self.params + self.buffers, state["params"] + state["buffers"]):
-                mine.copy_(saved)
+            for name, t in self.shared.items():
+                t.copy_(state["shared"][name])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def trained_params(raw_model):
+    """The parameters that train, each once: a frozen one is not synced."""
+    return [p for p in raw_model.parameters() if p.requires_grad]
 
 
 def bytes_sent_per_step(sent, steps):
@@ -465,7 +471,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). A round's end waits for every rank; no other step
     does: the stop vote a step starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DiLoCo: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -493,7 +499,8 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
             trained = sums.total()   # DiLoCo: the sums over all ranks
-            progress.say(here, trained, lr, **mean_norm(trained))
+            progress.say(here, trained, lr)
+            sums.restart("_line")
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
     seconds = timer()
@@ -511,7 +518,7 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
     curves.png: a run stopped later keeps them."""
     trained = sums.total()   # DiLoCo: summed over all ranks
-    record = {**common.epoch_record(epoch, trained, seconds, tested), **mean_norm(trained)}
+    record = common.epoch_record(epoch, trained, seconds, tested)
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -521,12 +528,15 @@ def report_epoch(metrics, epoch, sums, seconds, tested, master):
         common.write_outputs(metrics)
 
 
-def mean_norm(trained):
-    """The gradient's total norm before clipping, the mean over the epoch's steps so far and the
-    ranks' replicas, by name; nothing without --clip-grad-norm."""
-    if not trained["norms"]:
-        return {}
-    return {"grad_norm": trained["grad_norm"] / trained["norms"]}
+def say_start(raw_model, shape, optimizer, args, world_size, device, backend):
+    """The run's first line, from rank 0: the model, the ranks, the batch, both optimizers."""
+    if dist.get_rank() == 0:   # DiLoCo: rank 0 says it
+        print(f"diloco_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) "
+              f"on {device} ({backend}), global batch {args.batch_size} = {world_size} x "
+              f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
+              f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
+              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
+              f"{args.outer_momentum:g}", flush=True)
 
 
 def train(args):
@@ -545,18 +555,15 @@ def train(args):
     outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step)
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    checkpoint = Checkpoint(args, raw_model, optimizer, scheduler, outer,
-                            resume_flags(args, shape, len(train_set)), metrics, steps_per_epoch)
+    flags = resume_flags(args, shape, len(train_set))
+    # What a checkpoint keeps of each rank and every rank loads at a resume, by name (each has
+    # state_dict() and load_state_dict()): yours go here.
+    things = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
+    checkpoint = Checkpoint(args, things, outer, flags, metrics, steps_per_epoch)
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
-        return outer.shared_state(raw_model)
-    if master:
-        print(f"diloco_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) "
-              f"on {device} ({backend}), global batch {args.batch_size} = {world_size} x "
-              f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
-              f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
-              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
-              f"{args.outer_momentum:g}", flush=True)
+        return outer.shared
+    say_start(raw_model, shape, optimizer, args, world_size, device, backend)
     progress = common.Progress(args.print_every, here.step, final_step, args.batch_size, master)
     for epoch in range(here.epoch, args.epochs + 1):
         sampler.set_epoch(epoch, start=here.batch_in_epoch)   # DiLoCo: one order, new each epoch
@@ -587,8 +594,8 @@ def train(args):
     if master and metrics["epochs"]:
         say_inside_round(here.step, last_step, args)
         sent = bytes_sent_per_step(outer.sent, here.step - progress.first_step)
-        common.finish(metrics, here.step, progress.spent(), outer.shared_state(raw_model), sent)
-    return outer.shared_state(raw_model)
+        common.finish(metrics, here.step, progress.spent(), outer.shared, sent)
+    return outer.shared
 
 
 def say_inside_round(step, last_step, args):
