@@ -13,10 +13,11 @@ make_optimizer(). Then read in the order things happen: the step, the member, th
 the wire. No DDP wrapper: a failed allreduce leaves its reducer broken. `# FT:` marks what FT costs.
 
 Its sums are exact (--sums float64), so a run ends with the weights of one without faults, bit for
-bit, whoever computed which micro-batch and whoever left, joined or resumed. That holds for this
-ResNet-18, which draws nothing at random in its step. A model that does (dropout, stochastic depth)
-draws from each member's own torch generator, which a member that joins, recovers or restarts holds
-in another state: its run ends close to one without faults, not equal to it.
+bit, whoever computed which micro-batch and whoever left, joined or resumed. What a micro-batch
+draws (dropout, stochastic depth) is seeded from (seed, step, micro-batch), whoever computes it:
+a model of yours in make_model() that draws is exact too. BatchNorm2d's running statistics are
+micro-batch 0's (each member's step sets the momentum of the others to 0): another kind of
+normalisation with running statistics is not claimed.
 
 What a step waits for is the lesson here. The other pages' steps wait for nothing; a member's
 committed step waits three times, blocking: for its quorum (asked by its join or its last vote,
@@ -62,7 +63,8 @@ member_parser.add_argument("--batch-size", type=common.positive_int, default=256
 member_parser.add_argument("--micro-batch", type=common.positive_int, default=32,
                            help="the size of a global batch's pieces")
 member_parser.add_argument("--lr", type=common.positive_float, default=0.05,
-                           help="learning rate for 256 samples, scaled")
+                           help="SGD's learning rate for 256 samples, scaled linearly with the "
+                           "global batch (make_optimizer(): the rule goes with the optimizer)")
 member_parser.add_argument("--weight-decay", type=common.non_negative_float, default=5e-4,
                            help="on weights, not biases or BN")
 member_parser.add_argument("--seed", type=int, default=0,
@@ -115,13 +117,23 @@ def parse_args(argv=None):
     return args
 
 
+# ---------------------------------------------------------------- your model goes here
+def make_model(args, shape, classes):
+    """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
+    own nn.Module. Every member seeds torch before calling it (the same weights everywhere). What
+    its step draws is seeded from (seed, step, micro-batch): a run with faults is exact."""
+    return common.classifier("resnet18", classes, shape[0], shape[-1])
+
+
 # ---------------------------------------------------------------- the optimizer and its schedule
 def make_optimizer(model, args, steps_per_epoch):
-    """SGD with momentum, no weight decay on BatchNorm and the biases (the 1-D parameters: decaying
-    them only fights the normalisation). The learning rate: --lr per 256 samples, scaled to the
-    global batch, then decayed to zero along a cosine over the run's epochs. A LambdaLR: a member
-    that recovers live makes it again at the step it recovered."""
-    params = list(model.parameters())
+    """SGD with momentum, its learning rate from --lr, and its schedule: swap the optimizer here,
+    and the rule that makes its rate with it. It holds only the parameters that train (a frozen
+    one gets no update). No weight decay on BatchNorm and the biases (the 1-D parameters: decaying
+    them only fights the normalisation). The rate: --lr per 256 samples, scaled to the global batch
+    (SGD's linear scaling rule), then decayed to zero along a cosine over the run's epochs. A
+    LambdaLR: a member that recovers live makes it again at the step it recovered."""
+    params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     optimizer = torch.optim.SGD(groups, lr=args.lr * args.batch_size / 256, momentum=0.9)
@@ -149,17 +161,20 @@ def statistics_of(model):
 
 
 def gradients_of(model):
-    """One flat float32 tensor that every .grad is a view into: backward adds into it."""
-    sizes = [p.numel() for p in model.parameters()]
+    """One flat float32 tensor that every .grad is a view into (a frozen parameter has none):
+    backward adds into it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    sizes = [p.numel() for p in params]
     flat = torch.zeros(sum(sizes))
-    for p, piece in zip(model.parameters(), flat.split(sizes)):
+    for p, piece in zip(params, flat.split(sizes)):
         p.grad = piece.view_as(p)
     return flat
 
 
-def compute(model, grads, flat_sums, X, y, micro_batch, mine):
-    """This member's micro-batches `mine` of (X, y): each one's mean-loss gradient added into
-    flat_sums, and its loss, right answers and samples into the last three numbers there. float64
+def compute(model, grads, flat_sums, X, y, micro_batch, mine, seed, step):
+    """This member's micro-batches `mine` of (X, y), step `step`'s: each one's mean-loss gradient
+    added into flat_sums, and its loss, right answers and samples into the last three numbers
+    there; what micro-batch i draws is seeded from (seed, step, i), whoever computes it. float64
     holds the exact sum of float32 values (unless their magnitudes differ by more than ~2^25; the
     float32 result then still agrees but for a ~2^-29 chance), whoever computes which, in any
     order."""
@@ -175,6 +190,7 @@ def compute(model, grads, flat_sums, X, y, micro_batch, mine):
             norm.momentum = usual if i == 0 else 0.0
         rows = slice(i * micro_batch, (i + 1) * micro_batch)
         X_micro, y_micro = X[rows], y[rows]
+        common.seed_the_step(seed, step, i)
         grads.zero_()
         logits = model(X_micro)
         loss = F.cross_entropy(logits, y_micro)
@@ -229,14 +245,13 @@ def exchange(model, grads, flat_sums, holds_first, count):
 def evaluate(model, batches, device):
     """The test loss (plain cross-entropy), the test accuracy and the number of test images. Every
     member evaluates the whole test set alike, alone: a collective here could fail with a member."""
-    model.eval()
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
-    for X, y in batches:
-        logits = model(X)
-        sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
-        sums["correct"] += (logits.argmax(1) == y).sum()
-        sums["samples"] += len(y)
-    model.train()
+    with common.evaluating(model):
+        for X, y in batches:
+            logits = model(X)
+            sums["loss"] += F.cross_entropy(logits, y, reduction="sum")
+            sums["correct"] += (logits.argmax(1) == y).sum()
+            sums["samples"] += len(y)
     # This member's own sums, not their total() over the group.
     loss, correct, samples = [value.item() for value in sums.values()]
     return {"test_loss": loss / samples, "test_acc": correct / samples,
@@ -263,7 +278,8 @@ def recover(model, optimizer, progress, src, epochs):
     momentum and progress of member `src`, which is furthest ahead, as tensors (nothing to
     unpickle). Returns (the progress received, None), or (None, the failure)."""
     tensors = [p.data for p in model.parameters()] + list(statistics_of(model).values())
-    tensors += [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    tensors += [optimizer.state[p]["momentum_buffer"] for group in optimizer.param_groups
+                for p in group["params"]]
     flat = torch.cat([t.float().flatten() for t in tensors])
     # The history as rows of EPOCH_KEYS, as many as the run has epochs: the same size everywhere.
     rows = [float(e[k]) for e in progress.history for k in EPOCH_KEYS]
@@ -317,7 +333,7 @@ class Member:
                              f"--batch-size {args.batch_size}")
         # The same seed, the same weights on every member.
         torch.manual_seed(args.seed)
-        self.model = common.classifier("resnet18", 10, channels=1, image_size=28).to(self.device)
+        self.model = make_model(args, tuple(self.X_train[0].shape), 10).to(self.device)
         self.steps_per_epoch = len(self.y_train) // args.batch_size
         self.final_step = min(args.max_steps or math.inf, self.steps_per_epoch * args.epochs)
         # Micro-batches in a global batch.
@@ -397,7 +413,7 @@ class Member:
             mine = range(self.count * quorum["rank"] // quorum["world"],
                          self.count * (quorum["rank"] + 1) // quorum["world"])
             compute(self.model, self.grads, self.flat_sums, self.X_train[idx], self.y_train[idx],
-                    self.args.micro_batch, mine)
+                    self.args.micro_batch, mine, self.args.seed, step)
             step_sums, problem = exchange(self.model, self.grads, self.flat_sums, 0 in mine,
                                           self.count)
         # FT: all apply the step, or none. "next": this member asks for the next step's quorum too.
@@ -527,7 +543,7 @@ class Member:
         # A foreign file can raise anything, a KeyError too: said in one line, which file and why.
         try:
             saved = torch.load(path, map_location="cpu")
-            common.check_keys(saved, self.CHECKPOINT_KEYS)
+            common.check_keys(saved, self.CHECKPOINT_KEYS, os.path.basename(__file__))
             common.resume_check(saved["flags"], here, path, True)
             self.model.load_state_dict(saved["model"])
             self.optimizer.load_state_dict(saved["optimizer"])
@@ -606,7 +622,8 @@ class Member:
         """All a restart of the whole job needs, as of the last committed step, which it returns."""
         # FT: not the statistics of an open step
         weights = {**self.model.state_dict(), **self.committed_statistics}
-        state = {"progress": dataclasses.asdict(self.progress), "run": self.run_id,
+        state = {"script": os.path.basename(__file__), "run": self.run_id,
+                 "progress": dataclasses.asdict(self.progress),
                  "model": weights, "flags": self.checkpoint_flags,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         common.save_atomically(lambda tmp: torch.save(state, tmp), self.args.checkpoint)

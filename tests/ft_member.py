@@ -8,12 +8,23 @@ allreduce and optimizer step), `recovery` (SIGKILL 20 ms into receiving a peer's
 (from its STEP-th attempt on, its allreduce fails at once, as over a broken link: it leaves the
 group and votes no), `handshake` (SIGSTOP once its address is in the store while its first group
 is made: its peers connect to a process that does not answer), `coordinator-stops` (SIGSTOP to the
-coordinator, whose pid is in FT_COORDINATOR_PID, as it answers this member's join). STEP: the member's
-STEP-th attempt at a step (0-based), or its first recovery. This file patches the script's functions in
-its own process only."""
+coordinator, whose pid is in FT_COORDINATOR_PID, as it answers this member's join), `none` (it does
+not die). STEP: the member's STEP-th attempt at a step (0-based), or its first recovery. With
+FT_MEMBER_DROPOUT=P in its environment, its model (make_model()'s) has Dropout(P) before its last
+layer. This file patches the script's functions in its own process only."""
 import os, signal, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 import ft_ddp_resnet
+
+if "FT_MEMBER_DROPOUT" in os.environ:   # a model that draws in its step
+    make_model = ft_ddp_resnet.make_model
+
+    def make_model_with_dropout(*args):
+        net = make_model(*args)
+        net.fc = torch.nn.Sequential(torch.nn.Dropout(float(os.environ["FT_MEMBER_DROPOUT"])), net.fc)
+        return net
+    ft_ddp_resnet.make_model = make_model_with_dropout
 
 where, at, attempts = sys.argv[1], int(sys.argv[2]), [0]
 
