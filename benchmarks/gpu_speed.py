@@ -203,7 +203,7 @@ def make_step(row, device, stop, data):
         group["fused"] = row.fused   # what SGD(..., fused=True) sets
     ddp_model, _ = ddp_resnet.wrap(net, flags, device, "nccl" if device.type == "cuda" else "gloo", False)
     model = torch.compile(ddp_model, mode=row.compile) if row.compile else ddp_model
-    totals = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    totals = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
     # The step's number, which seeds what it draws.
     numbers = itertools.count()
     drawn = batches(*data, row.batch, device, row.gpudata)

@@ -28,7 +28,7 @@ def efficientnet(classes):
 
 def seconds_per_step(model, optimizer, batch, args, steps, device):
     X, y = batch
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0, grad_norm=0, norms=0)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
     started = time.perf_counter()
     for step in range(steps):
         ddp_resnet.train_step(model, optimizer, X, y, step, args, sums)
