@@ -46,17 +46,26 @@ NO_SLURM = local_slurm.unavailable()   # None as root with slurm-wlm and munge (
 LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@contextlib.contextmanager
+def launcher_variables_restored():
+    """The launcher's variables as they were before, after: a page's main() run in this process sets them, and what
+    runs next here would take it for a launcher."""
+    kept = {name: os.environ.get(name) for name in LAUNCHER}
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def launcher_variables_kept():
-    """Each test finds the launcher's variables as the session had them, and leaves them so: a page's main()
-    run in the test's process sets them, and the next test in that process would take it for a launcher."""
-    kept = {name: os.environ.get(name) for name in LAUNCHER}
-    yield
-    for name, value in kept.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    """Each test finds the launcher's variables as the session had them, and leaves them so."""
+    with launcher_variables_restored():
+        yield
 
 
 _computed = {}
@@ -396,10 +405,28 @@ def mid_epoch_checkpoint_of_2_ranks(tmp_path_factory):
     return out / "checkpoint.pt"
 
 
+def readme_block(marker):
+    """The first Python block of the README that holds `marker`, as it stands there."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    return next(block for block in text.split("```")[1::2] if marker in block).removeprefix("python\n")
+
+
 def readme_make_model():
     """The README's make_model() (its "Your own model"), as it stands there."""
-    text = open(os.path.join(HERE, "README.md")).read()
-    return next(block for block in text.split("```")[1::2] if "def make_model" in block).removeprefix("python\n")
+    return readme_block("def make_model")
+
+
+def readme_fine_tune():
+    """The README's make_model() with its fine-tuning lines before `return net`, as the README says."""
+    return readme_make_model().replace("    return net\n", readme_block("requires_grad_(False)") + "    return net\n")
+
+
+def with_make_model(page, source, monkeypatch):
+    """`page`'s make_model() replaced by the one defined in `source` (run with the page's names and torchvision), in
+    this process, until the test ends."""
+    namespace = {**vars(page), "torchvision": __import__("torchvision")}
+    exec(source, namespace)
+    monkeypatch.setattr(page, "make_model", namespace["make_model"])
 
 
 def with_readme_model(page_text):
