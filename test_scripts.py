@@ -976,10 +976,30 @@ def test_a_members_step_leaves_batchnorms_momentum_as_it_found_it():
     message = torch.zeros(len(grads) + 4 + 3, dtype=torch.float64)
     X, y = torch.randn(8, 1, 6, 6), torch.arange(8) % 10
     before = net[1].running_mean.clone()
-    ft.compute(net, grads, message, X, y, 4, range(1, 2))   # micro-batch 1 alone: statistics untouched
+    ft.compute(net, grads, message, X, y, 4, range(1, 2), 0, 0)   # micro-batch 1 alone: statistics untouched
     assert torch.equal(net[1].running_mean, before) and net[1].momentum == 0.1
-    ft.compute(net, grads, message, X, y, 4, range(0, 2))
+    ft.compute(net, grads, message, X, y, 4, range(0, 2), 0, 0)
     assert not torch.equal(net[1].running_mean, before) and net[1].momentum == 0.1
+
+
+def test_what_a_members_micro_batch_draws_is_the_same_whoever_computes_it():
+    """A net with dropout: micro-batches 0 to 3 of a step summed by one member, or 0-1 and 2-3 by two members (their
+    float64 sums added), or in another order, give the same bits; the next step draws other masks."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(36, 16), torch.nn.Dropout(0.5),
+                              torch.nn.Linear(16, 10))
+    grads = ft.gradients_of(net)
+    X, y = torch.randn(16, 1, 6, 6), torch.arange(16) % 10
+    def summed(*shares, step=3):
+        total = torch.zeros(len(grads) + 3, dtype=torch.float64)
+        for mine in shares:
+            message = torch.zeros_like(total)
+            ft.compute(net, grads, message, X, y, 4, mine, 7, step)
+            total += message
+        return total
+    alone = summed(range(0, 4))
+    assert torch.equal(alone, summed(range(0, 2), range(2, 4))) and torch.equal(alone, summed(range(2, 4), range(0, 2)))
+    assert not torch.equal(alone, summed(range(0, 4), step=4))
 
 
 def test_an_epochs_order_is_drawn_once_and_is_the_other_scripts(monkeypatch):

@@ -326,6 +326,12 @@ def test_resume_with_other_training_flags_is_refused_and_overwrites_nothing(scri
     refused = run(["python", script, "--batch-size", "32", "--epochs", "2", "--lr", "0.1", "--resume"] + flags)
     assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr[-2000:]
     assert "batch_size 16 there, 32 here" in refused.stderr and "lr 0.05 there, 0.1 here" in refused.stderr
+    # Another model: the flag named, before any weights are loaded (no load_state_dict's list of keys).
+    refused = run(["python", script, "--batch-size", "16", "--epochs", "2", "--arch", "resnet34", "--resume"] + flags)
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        f"error: cannot resume from {tmp_path}/{'checkpoint' if 'fsdp' in script else 'checkpoint.pt'}: it was "
+        f"written with other training flags (arch resnet18 there, resnet34 here); use the same, or start without "
+        f"--resume"), refused.stderr[-2000:]
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
     if script == "ddp_resnet.py":   # (the others' resumes are tested above and in test_slow_links.py)
         resumed = run(["python", script, "--batch-size", "16", "--epochs", "2", "--max-steps", "6", "--resume"] + flags)
@@ -419,13 +425,28 @@ def test_resume_from_a_wrong_file_says_what_is_wrong_once(bad, tmp_path):
         expected = f"cannot resume from {checkpoint}"
     else:
         torch.save({"arch": "fashion_resnet18", "model": ddp_toy.ToyMLP().state_dict()}, checkpoint)
-        expected = "Missing key(s) in state_dict"
+        expected = "it lacks flags, history, position, state and holds arch, model"
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "ddp_resnet.py", "--resume", "--checkpoint",
                   str(checkpoint), "--out", str(tmp_path)] + RESNET)
     assert result.returncode != 0
     ranks_said, torchrun_said = result.stderr.split("ChildFailedError", 1)
     assert ranks_said.count(expected) == 1, result.stderr[-3000:]   # rank 0 alone says it
     assert not re.search(r"\[rank\d+\]: Traceback", result.stderr)   # torchrun's own report aside, no traceback
+
+
+def test_a_checkpoint_written_by_another_page_is_refused_naming_that_page(capsys, tmp_path):
+    """ddp_resnet.py's checkpoint handed to diloco_resnet.py --resume, and diloco_resnet.py's to ddp_resnet.py (both
+    keep a file): refused in one line that names the page that wrote it, before anything is loaded or trained."""
+    for writer, reader in ((ddp_resnet, diloco_resnet), (diloco_resnet, ddp_resnet)):
+        out = tmp_path / writer.__name__
+        writer.main(RESNET + ["--max-steps", "1", "--out", str(out)])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            reader.main(RESNET + ["--resume", "--checkpoint", str(out / "checkpoint.pt"), "--out", str(tmp_path)])
+        assert refused.value.code == (
+            f"error: cannot resume from {out}/checkpoint.pt: it was written by {writer.__name__}.py, which keeps other "
+            f"state: resume it with {writer.__name__}.py, or start {reader.__name__}.py without --resume")
+        assert "step" not in capsys.readouterr().out
 
 
 def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_line_naming_the_difference(tmp_path):
@@ -435,6 +456,7 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_line_naming_the_di
     flags = ["--out", str(tmp_path)] + RESNET
     assert_ok(run(["python", "ddp_resnet.py"] + flags))
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    state.pop("script")   # which that layout did not write either
     position = state.pop("position")
     state.update(epoch=position["epoch"], batch_in_epoch=position["batch_in_epoch"], step=position["step"],
                  totals=list(position["sums"].values()), seconds=position["seconds"])
@@ -458,23 +480,25 @@ def test_checkpoint_every_must_be_positive(capsys):
 @pytest.mark.parametrize("page, keeps", [(ddp_resnet, "a file"), (fsdp_resnet, "a folder"),
                                          (diloco_resnet, "a file")])
 def test_a_checkpoint_path_of_the_wrong_kind_is_refused_as_the_flags_are_read(page, keeps, tmp_path):
-    """--checkpoint naming a folder where the page keeps a file, or a file where FSDP keeps a folder (the DDP
-    habit): the run would say "training starts from step 0", train, and fail at its first save. Refused in one
-    line as the flags are read (main's first call), with --resume or without, nothing made in --out; a path not
-    there yet is taken (a run from step 0)."""
+    """--checkpoint naming a folder where the page keeps a file (one there, or one not there yet, ending in /), or a
+    file where FSDP keeps a folder (the DDP habit): the run would say "training starts from step 0", train, and fail
+    at its first save. Refused in one line as the flags are read (main's first call), with --resume or without,
+    nothing made in --out; a path not there yet is taken (a run from step 0)."""
     wrong, out = tmp_path / "checkpoint", tmp_path / "out"
     if keeps == "a file":
         wrong.mkdir()
     else:
         wrong.write_bytes(b"")
     other = "a folder" if keeps == "a file" else "a file"
-    kept = "checkpoint in a file" if keeps == "a file" else "checkpoints in a folder"
-    for resume in ([], ["--resume"]):
-        with pytest.raises(SystemExit) as exit_info:
-            page.parse_args(resume + ["--checkpoint", str(wrong), "--out", str(out)])
-        said = f"error: --checkpoint {wrong} is {other}: {page.__name__}.py keeps its {kept}"
-        assert exit_info.value.code == said   # Python prints it alone and exits with 1
-    assert not out.exists()
+    kept = "checkpoint in a file (name one: DIR/checkpoint.pt)" if keeps == "a file" else "checkpoints in a folder"
+    wrongs = [str(wrong)] + ([str(tmp_path / "not-yet") + "/"] if keeps == "a file" else [])
+    for path in wrongs:
+        for resume in ([], ["--resume"]):
+            with pytest.raises(SystemExit) as exit_info:
+                page.parse_args(resume + ["--checkpoint", path, "--out", str(out)])
+            said = f"error: --checkpoint {path} is {other}: {page.__name__}.py keeps its {kept}"
+            assert exit_info.value.code == said   # Python prints it alone and exits with 1
+    assert not out.exists() and not (tmp_path / "not-yet").exists()
     new = tmp_path / "new"
     assert page.parse_args(["--resume", "--checkpoint", str(new)]).checkpoint == str(new)
 
