@@ -240,8 +240,11 @@ def read_image(path, mode=None):
 
 
 def one_line(error, limit=200):
-    """An error's message on one line, at most `limit` characters."""
-    return " ".join(str(error).split())[:limit]
+    """An error's message on one line, at most `limit` characters (cut ones end with "...")."""
+    text = " ".join(str(error).split())
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return text
 
 
 def check_batch(global_batch, world_size, train_samples, rank, asked=None):
@@ -444,8 +447,8 @@ def classifier(arch, classes, channels=3, image_size=224, **options):
     try:
         if arch not in models:
             close = ", ".join(difflib.get_close_matches(arch, models, 3, 0.5)) or "none"
-            raise ValueError(f"not one of torchvision's classification models (closest: {close}; all: "
-                             f"torchvision.models.list_models(module=torchvision.models))")
+            raise ValueError(f"not one of torchvision's classification models (closest: {close}; "
+                             f"all: torchvision.models.list_models(module=torchvision.models))")
         net = tried(arch, classes, channels, image_size, dict(options))
     except Exception as e:
         why = one_line(e)
@@ -453,7 +456,8 @@ def classifier(arch, classes, channels=3, image_size=224, **options):
         sizes = [n for n in (32, 64, 128, 224, 299) if n > image_size and arch in models
                  and fits(arch, classes, channels, n, options)]
         if sizes:
-            why += f" (it takes {sizes[0]}x{sizes[0]} images; image folders: --image-size {sizes[0]})"
+            n = sizes[0]
+            why += f" (it takes {n}x{n} images; image folders: --image-size {n})"
         sys.exit(f"error: --arch {arch} for {channels}x{image_size}x{image_size} images: {why}"
                  if int(os.environ.get("RANK", 0)) == 0 else 1)
     return net.train()
@@ -601,17 +605,28 @@ def check_keys(state, wanted, script):
                          f"script, or by an older version of this one")
 
 
-def load_states(things, states, path, master):
-    """Each of `things`, by name (the model, its optimizer, the schedule, and yours), loads its
-    state from `states`; a state of another kind, or none, is refused in one line."""
+def states(things):
+    """What a checkpoint keeps of `things` (the model, its optimizer, the schedule, and yours): each
+    one's state and its kind, by name."""
+    return {name: {"kind": type(thing).__name__, "state": thing.state_dict()}
+            for name, thing in things.items()}
+
+
+def load_states(things, saved, path, master):
+    """Each of `things` loads its state from `saved` (what states() kept), by name; one of another
+    kind (an AdamW's state for an SGD, another model's weights), or none, is refused in one line."""
     for name, thing in things.items():
-        try:
-            thing.load_state_dict(states[name])
-        except Exception as e:
-            why = f"its {name} is not this run's ({one_line(e)})"
-            if name not in states:
-                why = f"it holds no {name} (it was written without it)"
-            sys.exit(f"error: cannot resume from {path}: {why}" if master else 1)
+        kind = type(thing).__name__
+        why = f"it holds no {name} (it was written without it)"
+        if name in saved:
+            why = f"its {name} is of another kind ({saved[name]['kind']} there, {kind} here)"
+        if name in saved and saved[name]["kind"] == kind:
+            try:
+                thing.load_state_dict(saved[name]["state"])
+                continue
+            except Exception as e:
+                why = f"its {name} is not this run's ({one_line(e)})"
+        sys.exit(f"error: cannot resume from {path}: {why}" if master else 1)
 
 
 def resume_check(saved, here, path, master):
@@ -622,17 +637,25 @@ def resume_check(saved, here, path, master):
                  f"({'; '.join(differ)}); use the same, or start without --resume" if master else 1)
 
 
-def resume_position(saved, flags, path, steps_per_epoch, final_step, master):
-    """The position a checkpoint holds, or None when this run has nothing left to train."""
-    # The micro-batches may be cut otherwise: the run then goes on close to the same, said below.
-    before, now = saved["flags"].get("micro_batches"), flags.get("micro_batches")
-    resume_check({**saved["flags"], "micro_batches": now}, flags, path, master)
+def resume_position(saved, flags, path, final_step, master):
+    """The position a checkpoint holds, or None when this run has nothing left to train: its
+    training flags compared first, before anything is loaded."""
+    # The micro-batches may be cut otherwise: the run then goes on close to the same.
+    resume_check({**saved["flags"], "micro_batches": flags.get("micro_batches")}, flags, path,
+                 master)
     position = Position(**saved["position"])
     if position.step >= final_step:
         if master:
             print(f"nothing to train: {path} is at step {position.step}, and this run ends at step "
                   f"{final_step}")
         return None
+    return position
+
+
+def say_resumed(saved, flags, path, position, steps_per_epoch, master):
+    """Rank 0's line once a checkpoint is loaded, and a note if its micro-batches were cut
+    otherwise."""
+    before, now = saved["flags"].get("micro_batches"), flags.get("micro_batches")
     if master:
         print(f"resumed from {path}: {position.where(steps_per_epoch)}, step {position.step}",
               flush=True)

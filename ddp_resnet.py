@@ -144,10 +144,13 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module (--arch and --zero-init-residual act only here). This page seeds torch before
-    calling it (the same weights on every rank), then puts the model on the device and wraps it.
-    What its step draws (dropout, stochastic depth) is seeded from (seed, step, micro-batch): a
-    resume is exact."""
+    own nn.Module (--arch and --zero-init-residual act only here: a body of yours ignores them, and
+    a resume still compares them). This page seeds torch before calling it (the same weights on
+    every rank), then puts the model on the device and wraps it. What its step draws (dropout,
+    stochastic depth) is seeded from (seed, step, micro-batch): a resume is exact. To fine-tune,
+    load weights here (a previous run's model.pt; torchvision's weights= are for RGB images and 1000
+    classes) and freeze a part: requires_grad_(False), and .eval() on it, which keeps its BatchNorm
+    statistics."""
     options = {}
     if args.zero_init_residual:
         options["zero_init_residual"] = True
@@ -171,7 +174,8 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
     # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
     # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
-    # line with the optimizer.
+    # line with the optimizer, and its flags' values too (AdamW's usual --lr is about 1e-3, its
+    # --weight-decay about 0.05; --nesterov is SGD's).
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=args.nesterov)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -273,9 +277,9 @@ class Checkpoint:
     def save(self, position):
         """On every rank at the same step; rank 0 writes."""
         if self.master:
-            things = {name: thing.state_dict() for name, thing in self.things.items()}
             state = {"script": os.path.basename(__file__), "position": dataclasses.asdict(position),
-                     "flags": self.flags, "history": self.metrics["epochs"], "state": things}
+                     "flags": self.flags, "history": self.metrics["epochs"],
+                     "state": common.states(self.things)}
             common.save_atomically(lambda tmp: torch.save(state, tmp), self.path)
             where = position.where(self.steps_per_epoch)
             print(f"  checkpoint: step {position.step} ({where})", flush=True)
@@ -302,11 +306,12 @@ class Checkpoint:
             raise SystemExit(state[0] if self.master else 1)
         if state[0] is None:
             return common.Position()
-        here = common.resume_position(state[0], self.flags, self.path, self.steps_per_epoch,
-                                      final_step, self.master)
+        here = common.resume_position(state[0], self.flags, self.path, final_step, self.master)
         if here:
             common.load_states(self.things, state[0]["state"], self.path, self.master)
             self.metrics["epochs"] = state[0]["history"]
+            common.say_resumed(state[0], self.flags, self.path, here, self.steps_per_epoch,
+                               self.master)
         return here
 
 

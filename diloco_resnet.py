@@ -131,10 +131,12 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module (--arch acts only here). This page seeds torch before calling it (every replica
-    starts from the same weights), then puts the model on the device. What its step draws
-    (dropout, stochastic depth) is seeded from (seed, step, micro-batch: a rank's batch): a
-    resume is exact."""
+    own nn.Module (--arch acts only here: a body of yours ignores it, and a resume still compares
+    it). This page seeds torch before calling it (every replica starts from the same weights), then
+    puts the model on the device. What its step draws (dropout, stochastic depth) is seeded from
+    (seed, step, micro-batch: a rank's batch): a resume is exact. To fine-tune, load weights here (a
+    previous run's model.pt; torchvision's weights= are for RGB images and 1000 classes) and freeze
+    a part: requires_grad_(False), and .eval() on it, which keeps its BatchNorm statistics."""
     return common.classifier(args.arch, classes, shape[0], shape[-1])
 
 
@@ -155,7 +157,8 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
     # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
     # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
-    # line with the optimizer.
+    # line with the optimizer, and its flags' values too (AdamW's usual --lr is about 1e-3, its
+    # --weight-decay about 0.05).
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -266,7 +269,7 @@ class Checkpoint:
     def save_replicas(self, folder):
         """Each rank's things into `folder`, a file per rank, written by rank 0 as it receives
         them, one at a time."""
-        replica = on_cpu({name: thing.state_dict() for name, thing in self.things.items()})
+        replica = on_cpu(common.states(self.things))
         for sender in range(self.world_size):
             if self.master and sender:
                 received = [None]
@@ -305,8 +308,7 @@ class Checkpoint:
             raise SystemExit(state if self.master else 1)
         if state is None:
             return common.Position()
-        here = common.resume_position(state, self.flags, self.path, self.steps_per_epoch,
-                                      final_step, self.master)
+        here = common.resume_position(state, self.flags, self.path, final_step, self.master)
         if here is None:
             return None
         mine = [self.replica(state, 0) if self.master else None]
@@ -320,6 +322,7 @@ class Checkpoint:
         common.load_states(self.things, mine[0], self.path, self.master)
         self.outer.load_state_dict(state["outer"])
         self.metrics["epochs"] = state["history"]
+        common.say_resumed(state, self.flags, self.path, here, self.steps_per_epoch, self.master)
         return here
 
     def replica(self, state, rank):

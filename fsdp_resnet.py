@@ -8,15 +8,15 @@
         fsdp_resnet.py --hsdp
 
 Data, model, optimizer and its schedule, stopping and resuming as in ddp_resnet.py. The same
-training as ddp_resnet.py (the same batches, the same weights after every step), with another
-memory layout (FSDP2's fully_shard). DDP keeps the whole model, its gradients and its optimizer
-state on every rank and allreduces the gradients. FSDP keeps a 1/W shard of each: before a
-block's forward (and again before its backward) it all-gathers that block's parameters and frees
-them after; after backward it reduce-scatters the gradients, so that each rank receives the summed
-gradient of its own shard only, and the optimizer updates that shard. About 1.5x DDP's bytes on
-the wire, for 1/W of the memory. With --hsdp the shards are spread over one node's processes only,
-and the nodes are replicas that all-reduce their shards' gradients: the sharded traffic stays on
-the fast links inside a node.
+training as ddp_resnet.py (the same batches, the same weights after every step up to the order of
+float sums), with another memory layout (FSDP2's fully_shard). DDP keeps the whole model, its
+gradients and its optimizer state on every rank and allreduces the gradients. FSDP keeps a 1/W shard
+of each: before a block's forward (and again before its backward) it all-gathers that block's
+parameters and frees them after; after backward it reduce-scatters the gradients, so that each rank
+receives the summed gradient of its own shard only, and the optimizer updates that shard. About 1.5x
+DDP's bytes on the wire, for 1/W of the memory. With --hsdp the shards are spread over one node's
+processes only, and the nodes are replicas that all-reduce their shards' gradients: the sharded
+traffic stays on the fast links inside a node.
 
 Checkpoints are folders that every rank writes its own shards to (torch.distributed.checkpoint),
 read back at any world size. Copy it with common.py. Lines only sharding needs are tagged `# FSDP:`.
@@ -129,10 +129,13 @@ def datasets(args):
 # ---------------------------------------------------------------- your model goes here
 def make_model(args, shape, classes):
     """The model for `shape` images ([C, H, W]) and `classes` classes: replace this body with your
-    own nn.Module (--arch acts only here). This page seeds torch before calling it (every rank
-    must make the same weights: each keeps its own shard of them), then puts the model on the
-    device and shards it by its blocks (blocks() below). What its step draws (dropout, stochastic
-    depth) is seeded from (seed, step, micro-batch: a rank's batch): a resume is exact."""
+    own nn.Module (--arch acts only here: a body of yours ignores it, and a resume still compares
+    it). This page seeds torch before calling it (every rank must make the same weights: each keeps
+    its own shard of them), then puts the model on the device and shards it by its blocks (blocks()
+    below). What its step draws (dropout, stochastic depth) is seeded from (seed, step, micro-batch:
+    a rank's batch): a resume is exact. To fine-tune, load weights here (a previous run's model.pt;
+    torchvision's weights= are for RGB images and 1000 classes) and freeze a part:
+    requires_grad_(False), and .eval() on it, which keeps its BatchNorm statistics."""
     return common.classifier(args.arch, classes, shape[0], shape[-1])
 
 
@@ -153,7 +156,8 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     # SGD's linear scaling rule (Goyal et al. 2017): --lr is the rate for 256 samples, and a global
     # batch k times larger takes k times the rate. Adam's and AdamW's follow no linear rule (a
     # square root is proposed; most runs tune the rate at their batch, lr = args.lr): change this
-    # line with the optimizer.
+    # line with the optimizer, and its flags' values too (AdamW's usual --lr is about 1e-3, its
+    # --weight-decay about 0.05).
     lr = args.lr * args.batch_size / 256
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=0.9)
     warmup_steps = round(args.warmup_epochs * steps_per_epoch)
@@ -294,8 +298,8 @@ class Checkpoint:
         error = found[0]
         if isinstance(found[0], tuple):
             # The flags first: a checkpoint of other ones is refused before its shards are read.
-            here = common.resume_position(found[0][1], self.flags, self.path,
-                                          self.steps_per_epoch, final_step, self.master)
+            here = common.resume_position(found[0][1], self.flags, self.path, final_step,
+                                          self.master)
             error = None
             if here:
                 error = self.load_shards(found[0][0])
@@ -305,6 +309,9 @@ class Checkpoint:
                              if self.master else 1)
         progress = found[0][1]
         self.metrics["epochs"] = progress["history"]
+        if here:
+            common.say_resumed(progress, self.flags, self.path, here, self.steps_per_epoch,
+                               self.master)
         return here
 
     def sharded(self):
@@ -323,7 +330,10 @@ class Checkpoint:
             dcp.load(state, checkpoint_id=folder)   # FSDP: resharded to this world size
             set_state_dict(self.things["model"], self.things["optimizer"],
                            model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        except Exception as e:
+        except (Exception, dcp.CheckpointException) as e:
+            # DCP's exception (not an Exception) holds each rank's own.
+            if isinstance(e, dcp.CheckpointException):
+                e = next(iter(e.failures.values()))[0]
             rank = dist.get_rank()   # FSDP: which rank failed
             return f"{folder}: {common.one_line(e, 400)} (rank {rank})"
         return None

@@ -449,6 +449,51 @@ def test_a_checkpoint_written_by_another_page_is_refused_naming_that_page(capsys
         assert "step" not in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_another_optimizer_or_model_is_refused_in_one_line_and_nothing_said_resumed(monkeypatch,
+                                                                                                      capsys, tmp_path):
+    """ddp_resnet.py's checkpoint of SGD, resumed with make_optimizer() giving AdamW, and AdamW's resumed with SGD (it
+    loaded, then crashed in SGD's step: KeyError 'momentum'); one of ResNet-18 resumed with make_model() giving
+    EfficientNet-B0 under the same flags: each refused in one line naming the thing, and its kind there and here,
+    before "resumed from" is said or a step taken. fsdp_resnet.py's AdamW checkpoint resumed with SGD: DCP's own
+    reason, in one line (it was a traceback: DCP's exception is no Exception)."""
+    sgd = ddp_resnet.make_optimizer
+    def adamw(raw_model, args, steps_per_epoch):
+        optimizer = torch.optim.AdamW(raw_model.parameters(), lr=1e-3)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    out = str(tmp_path / "out")
+    flags = RESNET + ["--max-steps", "1", "--out", out]
+    for written, read, kinds in ((sgd, adamw, "SGD there, AdamW here"), (adamw, sgd, "AdamW there, SGD here")):
+        monkeypatch.setattr(ddp_resnet, "make_optimizer", written)
+        ddp_resnet.main(flags)
+        monkeypatch.setattr(ddp_resnet, "make_optimizer", read)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            ddp_resnet.main(RESNET + ["--max-steps", "2", "--resume", "--out", out])
+        assert refused.value.code == (f"error: cannot resume from {out}/checkpoint.pt: its optimizer is of another "
+                                      f"kind ({kinds})")
+        assert "resumed from" not in capsys.readouterr().out
+    monkeypatch.setattr(ddp_resnet, "make_optimizer", sgd)
+    ddp_resnet.main(flags)
+    monkeypatch.setattr(ddp_resnet, "make_model", lambda args, shape, classes: common.classifier(
+        "efficientnet_b0", classes, shape[0], shape[-1]))
+    with pytest.raises(SystemExit) as refused:
+        ddp_resnet.main(RESNET + ["--max-steps", "2", "--resume", "--out", out])
+    assert refused.value.code == (f"error: cannot resume from {out}/checkpoint.pt: its model is of another kind "
+                                  f"(ResNet there, EfficientNet here)")
+    assert "resumed from" not in capsys.readouterr().out
+    # fsdp_resnet.py: DCP finds no momentum in AdamW's shards, and its exception (a BaseException) is said in one line.
+    fsdp_sgd = fsdp_resnet.make_optimizer
+    monkeypatch.setattr(fsdp_resnet, "make_optimizer", adamw)
+    fsdp_resnet.main(flags)
+    monkeypatch.setattr(fsdp_resnet, "make_optimizer", fsdp_sgd)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        fsdp_resnet.main(RESNET + ["--max-steps", "2", "--resume", "--out", out])
+    assert refused.value.code == (f"error: cannot resume from {out}/checkpoint/step-00000001: Missing key in checkpoint "
+                                  f"state_dict: optimizer.state.conv1.weight.momentum_buffer. (rank 0)")
+    assert "resumed from" not in capsys.readouterr().out
+
+
 def test_a_checkpoint_of_the_earlier_layout_is_refused_in_one_line_naming_the_difference(tmp_path):
     """A checkpoint written before its position had a key of its own (epoch, batch_in_epoch, step, the sums as
     "totals" and seconds at its top): refused in one line that names what it lacks and what it holds instead,

@@ -53,8 +53,8 @@ def test_the_readmes_fine_tune_trains_what_is_not_frozen_and_resumes_bit_equal(p
     the epoch after it (a BatchNorm set back to training mode by the evaluation would move its statistics); the rest
     trained. The optimizer holds only what trains (DDP's checkpoint); DiLoCo sends only it."""
     monkeypatch.chdir(tmp_path)
-    os.makedirs("runs/ddp_resnet")
-    shutil.copy(previous_run, "runs/ddp_resnet/model.pt")
+    os.makedirs("runs/base")
+    shutil.copy(previous_run, "runs/base/model.pt")
     with_make_model(page, readme_fine_tune(), monkeypatch)
     whole, parts = stopped_and_resumed(page, TWO_EPOCHS + ROUNDS.get(page, []), stop_at=5)
     assert_same_weights(whole, parts, tol=0)
@@ -67,7 +67,7 @@ def test_the_readmes_fine_tune_trains_what_is_not_frozen_and_resumes_bit_equal(p
     net = page.make_model(None, (1, 28, 28), 10)
     learning = [p for p in net.parameters() if p.requires_grad]
     if page is ddp_resnet:
-        optimizer = torch.load("parts/checkpoint.pt", weights_only=False)["state"]["optimizer"]
+        optimizer = torch.load("parts/checkpoint.pt", weights_only=False)["state"]["optimizer"]["state"]
         assert sum(len(group["params"]) for group in optimizer["param_groups"]) == len(learning)
         assert len(optimizer["state"]) == len(learning)   # momentum for those alone
     if page is diloco_resnet:
@@ -229,9 +229,10 @@ def test_the_readmes_ema_is_one_entry_of_things_evaluated_saved_and_resumed_bit_
     whole, parts = load_model(job / "whole"), load_model(job / "parts")
     assert_same_weights(whole, parts, tol=0)
     saved = [torch.load(job / out / "checkpoint.pt", weights_only=False)["state"] for out in ("whole", "parts")]
-    assert_same_weights(saved[0]["ema"], saved[1]["ema"], tol=0)
-    assert saved[0]["ema"]["n_averaged"] == 6
-    trained = saved[0]["model"]
+    assert saved[0]["ema"]["kind"] == "AveragedModel"
+    assert_same_weights(saved[0]["ema"]["state"], saved[1]["ema"]["state"], tol=0)
+    assert saved[0]["ema"]["state"]["n_averaged"] == 6
+    trained = saved[0]["model"]["state"]
     assert max((whole[k] - trained[k]).abs().max().item() for k in whole if k.endswith("weight")) > 1e-3
     net = common.classifier("resnet18", 10, 1, 28).eval()
     net.load_state_dict(whole)
