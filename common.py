@@ -616,17 +616,14 @@ def load_states(things, saved, path, master):
     """Each of `things` loads its state from `saved` (what states() kept), by name; one of another
     kind (an AdamW's state for an SGD, another model's weights), or none, is refused in one line."""
     for name, thing in things.items():
-        kind = type(thing).__name__
-        why = f"it holds no {name} (it was written without it)"
-        if name in saved:
-            why = f"its {name} is of another kind ({saved[name]['kind']} there, {kind} here)"
-        if name in saved and saved[name]["kind"] == kind:
-            try:
-                thing.load_state_dict(saved[name]["state"])
-                continue
-            except Exception as e:
-                why = f"its {name} is not this run's ({one_line(e)})"
-        sys.exit(f"error: cannot resume from {path}: {why}" if master else 1)
+        kept = saved.get(name, {"kind": "nothing"})
+        try:
+            if kept["kind"] != type(thing).__name__:
+                raise TypeError(f"{kept['kind']} there, {type(thing).__name__} here")
+            thing.load_state_dict(kept["state"])
+        except Exception as e:
+            sys.exit(f"error: cannot resume from {path}: its {name} is not this run's "
+                     f"({one_line(e)})" if master else 1)
 
 
 def resume_check(saved, here, path, master):

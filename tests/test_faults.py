@@ -469,8 +469,7 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused_in_one_line_and_n
         capsys.readouterr()
         with pytest.raises(SystemExit) as refused:
             ddp_resnet.main(RESNET + ["--max-steps", "2", "--resume", "--out", out])
-        assert refused.value.code == (f"error: cannot resume from {out}/checkpoint.pt: its optimizer is of another "
-                                      f"kind ({kinds})")
+        assert refused.value.code == f"error: cannot resume from {out}/checkpoint.pt: its optimizer is not this run's ({kinds})"
         assert "resumed from" not in capsys.readouterr().out
     monkeypatch.setattr(ddp_resnet, "make_optimizer", sgd)
     ddp_resnet.main(flags)
@@ -478,7 +477,7 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused_in_one_line_and_n
         "efficientnet_b0", classes, shape[0], shape[-1]))
     with pytest.raises(SystemExit) as refused:
         ddp_resnet.main(RESNET + ["--max-steps", "2", "--resume", "--out", out])
-    assert refused.value.code == (f"error: cannot resume from {out}/checkpoint.pt: its model is of another kind "
+    assert refused.value.code == (f"error: cannot resume from {out}/checkpoint.pt: its model is not this run's "
                                   f"(ResNet there, EfficientNet here)")
     assert "resumed from" not in capsys.readouterr().out
     # fsdp_resnet.py: DCP finds no momentum in AdamW's shards, and its exception (a BaseException) is said in one line.
