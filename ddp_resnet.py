@@ -471,6 +471,7 @@ def train_epoch(model, optimizer, scheduler, batches, here, final_step, stop, ch
             # as common.Progress.say writes it.
             trained = sums.total()   # DDP: the sums over all ranks
             progress.say(here, trained, lr)
+            # What the line showed since the last one (the gradient norm's) starts again.
             sums.restart("_line")
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))

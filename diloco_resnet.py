@@ -503,6 +503,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
             # as common.Progress.say writes it.
             trained = sums.total()   # DiLoCo: the sums over all ranks
             progress.say(here, trained, lr)
+            # What the line showed since the last one (the gradient norm's) starts again.
             sums.restart("_line")
         if checkpoint.due(here):
             checkpoint.save(dataclasses.replace(here, sums=sums.total(), seconds=timer()))
