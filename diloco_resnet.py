@@ -14,18 +14,32 @@ with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) s
 weights with it; every replica starts the next round from them. BatchNorm statistics are rank 0's
 at each sync, as in ddp_resnet.py.
 
+Streaming DiLoCo (Douillard et al., 2025; torchft's DiLoCo with model fragments does the same
+arithmetic) hides the sync behind the steps: `--fragments` F cuts the model into F consecutive
+runs of about equal bytes (fragments()), and every H/F steps one fragment, in turn, is synced,
+each still once every H steps: a sync sends a fragment, not the model. Its pseudo-gradient leaves
+`--sync-delay` TAU steps before its outer step, on a process group of its own, while the ranks
+train on; the step of its outer step is the only one that waits for it. Then each replica takes
+lerp(shared, its own, `--fragment-alpha` ALPHA) of the fragment: 0 drops what it learned in
+those TAU steps. Rank 0's BatchNorm statistics, all of them, come with every sync. At the
+training's last step every fragment is synced (a sync due later is not started).
+
+    torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 8 --fragments 4 \\
+        --sync-delay 1
+
 With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
 average of the ranks' SGD updates from the same weights is the update of their averaged gradient
 (momentum is linear too). That is the lesson's proof, and a test. Not with --clip-grad-norm: each
 rank clips its own gradient, where DDP clips their average.
 
 Data, model, optimizer and its schedule, checkpoints and preemption as in ddp_resnet.py.
-Evaluation and model.pt use the shared weights of the last sync, a state dict of the model's: a
-frozen parameter is neither sent nor stepped, and a buffer kept out of state_dict stays each
-rank's own. A checkpoint holds the shared weights and the outer momentum, and a folder beside it
-every rank's things (its replica, inner optimizer, schedule, and yours): a run stopped inside a
-round resumes in it (at the same world size). Copy it with common.py. Lines that exist only
-because of distribution are tagged `# DiLoCo:`.
+Evaluation and model.pt use the shared weights of the last sync (each fragment's), a state dict
+of the model's: a frozen parameter is neither sent nor stepped, and a buffer kept out of
+state_dict stays each rank's own. A checkpoint holds the shared weights, the outer momentum and
+a fragment's pseudo-gradient on its way (waited for, summed over the ranks), and a folder beside
+it every rank's things (its replica, inner optimizer, schedule, and yours): a run stopped inside
+a round resumes in it, bit for bit (at the same world size). Copy it with common.py. Lines that
+exist only because of distribution are tagged `# DiLoCo:`.
 """
 import argparse, collections, copy, dataclasses, glob, math, os, shutil
 import torch
@@ -73,6 +87,15 @@ training.add_argument("--outer-lr", type=common.positive_float, default=0.7,
                       help="the outer SGD's learning rate, on the averaged pseudo-gradient")
 training.add_argument("--outer-momentum", type=common.non_negative_float, default=0.9,
                       help="the outer SGD's Nesterov momentum (0: none)")
+training.add_argument("--fragments", type=common.positive_int, default=1, help="F: the model cut "
+                      "into F fragments of about equal bytes (fragments()), one synced every H/F "
+                      "steps in turn, each once every H (Streaming DiLoCo; 1: all at once)")
+training.add_argument("--sync-delay", type=common.non_negative_int, default=0, help="TAU: a "
+                      "fragment's pseudo-gradient is sent TAU steps before its outer step, while "
+                      "the ranks train on (under H/F)")
+training.add_argument("--fragment-alpha", type=float, default=0.0, help="ALPHA, from 0 to 1: "
+                      "after a fragment's outer step each replica takes lerp(shared, its own, "
+                      "ALPHA) of it (0: the shared weights)")
 parser.add_argument("--data-dir", help="a folder with train/ and val/, one subfolder of images "
                     "per class, or with Fashion-MNIST (FashionMNIST/raw/); default: ./data, "
                     "where Fashion-MNIST is downloaded")
@@ -108,6 +131,17 @@ def parse_args(argv=None):
     if os.path.isdir(args.checkpoint) or args.checkpoint.endswith(("/", os.sep)):
         raise SystemExit(f"error: --checkpoint {args.checkpoint} is a folder: diloco_resnet.py "
                          "keeps its checkpoint in a file (name one: DIR/checkpoint.pt)")
+    # Each fragment syncs once every H steps, and its sync ends before the next one starts.
+    every = args.local_steps // args.fragments
+    if args.local_steps % args.fragments:
+        raise SystemExit(f"error: --fragments {args.fragments} does not divide --local-steps "
+                         f"{args.local_steps}: one fragment syncs every H/F steps")
+    if args.sync_delay >= every:
+        raise SystemExit(f"error: --sync-delay {args.sync_delay} is not under --local-steps / "
+                         f"--fragments = {every}: a fragment's sync would start before the last "
+                         "one ends")
+    if not 0 <= args.fragment_alpha <= 1:
+        raise SystemExit(f"error: --fragment-alpha {args.fragment_alpha} is not from 0 to 1")
     return args
 
 
@@ -169,6 +203,19 @@ def make_optimizer(raw_model, args, steps_per_epoch):
     # Step k of the warm-up at (k + 1) / warmup_steps of the rate.
     warmup = LinearLR(optimizer, 1 / warmup_steps, total_iters=warmup_steps - 1)
     return optimizer, SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+# ---------------------------------------------------------------- what one sync sends
+def fragments(params, count):
+    """The parameters that train, in the model's order, cut into `count` consecutive runs of about
+    equal bytes: each parameter goes where its middle byte falls. Streaming DiLoCo syncs one run
+    at a time. Cut them your way here (a list of lists that holds each parameter once)."""
+    total, before = common.nbytes(*params), 0
+    runs = [[] for _ in range(count)]
+    for p in params:
+        runs[min(count - 1, int((before + common.nbytes(p) / 2) / total * count))].append(p)
+        before += common.nbytes(p)
+    return runs
 
 
 # ---------------------------------------------------------------- one inner step
@@ -345,14 +392,20 @@ def on_cpu(state):
 
 # ---------------------------------------------------------------- the outer step, and what it sends
 class Outer:
-    """The shared weights (of the last sync) and the outer optimizer that steps them. `shared` is a
-    state dict of the model's (its names; a weight tied in two modules is one tensor under both):
-    the outer step moves the parameters that train, and a sync brings rank 0's buffers (BatchNorm's
-    statistics); a frozen parameter never changes, and a buffer kept out of state_dict stays each
-    rank's own. A round ends every `local_steps` steps, and at the training's last step; `sent`
-    counts the bytes this rank hands to collectives."""
-    def __init__(self, raw_model, lr, momentum, local_steps=1, last_step=None):
-        # Where every replica started the round, by name; each tensor cloned once.
+    """The shared weights (of each fragment's last sync) and the outer optimizer that steps them.
+    `shared` is a state dict of the model's (its names; a weight tied in two modules is one tensor
+    under both): the outer step moves the parameters that train, and a sync brings rank 0's
+    buffers (BatchNorm's statistics), all of them at each; a frozen parameter never changes, and a
+    buffer kept out of state_dict stays each rank's own. The k-th sync (k = 1, 2, ...), after
+    inner step k*H/F, is of fragment (k - 1) mod F: its pseudo-gradient (the shared weights minus
+    this rank's) is sent `delay` steps before, without waiting, and at step k*H/F averaged over
+    the ranks, stepped by the outer optimizer (its momentum is each parameter's, so each
+    fragment's) and merged: each replica takes lerp(shared, its own, alpha). A sync whose step
+    would come after the training's last step is not started; at that step every fragment not
+    synced there is synced at once. `sent` counts the bytes this rank hands to collectives."""
+    def __init__(self, raw_model, lr, momentum, local_steps=1, last_step=math.inf, runs=None,
+                 delay=0, alpha=0.0):
+        # Where every replica started, by name; each tensor cloned once.
         clones = {}
         for t in raw_model.state_dict(keep_vars=True).values():
             if t not in clones:
@@ -361,47 +414,101 @@ class Outer:
         self.params = [clones[p] for p in trained_params(raw_model)]
         self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum,
                                          nesterov=momentum > 0)
-        self.local_steps, self.last_step = local_steps, last_step
+        # Each fragment: (this replica's parameter, its shared weights) pairs.
+        runs = runs or [trained_params(raw_model)]
+        self.fragments = [[(p, clones[p]) for p in run] for run in runs]
+        self.largest = max(common.nbytes(*run) for run in runs)
+        self.every, self.last_step = local_steps // len(runs), last_step
+        self.delay, self.alpha = delay, alpha
+        # The syncs' allreduce travels on a group of its own while the steps go on: on NCCL, the
+        # default group's collectives would queue behind it.
+        self.group = dist.new_group()   # DiLoCo: the syncs' own
+        # The sync under way: (its fragments, its pseudo-gradient, summed over the ranks once the
+        # allreduce `work` has arrived).
+        self.in_flight = self.work = None
         self.sent = collections.Counter()
 
-    def round_ends(self, step):
-        return step % self.local_steps == 0 or step == self.last_step
+    def after_step(self, raw_model, step):
+        """After inner step `step` (the run's, from 1): a sync starts, ends, or both. Returns the
+        bytes sent and the syncs ended."""
+        sent, syncs, ended = sum(self.sent.values()), 0, []
+        ahead = step + self.delay
+        if ahead % self.every == 0 and ahead <= self.last_step:
+            self.start([(ahead // self.every - 1) % len(self.fragments)])
+        if step % self.every == 0:
+            ended, syncs = self.end(raw_model), 1
+        rest = [i for i in range(len(self.fragments)) if i not in ended]
+        if step == self.last_step and rest:
+            # The last step: the evaluation and model.pt hold every rank's training.
+            self.start(rest)
+            self.end(raw_model)
+            syncs += 1
+        return sum(self.sent.values()) - sent, syncs
 
-    def sync(self, raw_model, world_size):
-        """The end of a round: one allreduce of the pseudo-gradient of every parameter that trains
-        (the weights of the round's start minus this rank's), averaged, an outer step of the shared
-        weights, and every replica set to them; rank 0's BatchNorm statistics for all."""
-        replica = trained_params(raw_model)
-        pseudo = torch.cat([(start - p.detach()).flatten()
-                            for start, p in zip(self.params, replica)])
-        self.sent[f"all_reduce ({world_size} ranks)"] += common.nbytes(pseudo)
-        # DiLoCo: the round's only exchange of weights, H steps' worth
-        dist.all_reduce(pseudo)   # DiLoCo: summed over all ranks
-        pseudo /= world_size
-        for start, part in zip(self.params, pseudo.split([p.numel() for p in self.params])):
-            start.grad = part.view_as(start)
-        # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum.
+    def shown(self, trained, window=""):
+        """From sums over all ranks: the syncs ended, the bytes each rank sent, since the last
+        progress line (window "_line") or in the epoch; and the largest fragment's bytes."""
+        ranks = dist.get_world_size()
+        return {"syncs": round(trained["syncs" + window] / ranks),
+                "sent_bytes": trained["sent" + window] / ranks,
+                "largest_fragment_bytes": self.largest}
+
+    def start(self, which):
+        """The pseudo-gradient of fragments `which`, sent to be summed over the ranks, without
+        waiting."""
+        pairs = [pair for i in which for pair in self.fragments[i]]
+        pseudo = torch.cat([(shared - p.detach()).flatten() for p, shared in pairs])
+        self.sent[f"all_reduce ({dist.get_world_size()} ranks)"] += common.nbytes(pseudo)
+        self.in_flight = (which, pseudo)
+        # DiLoCo: one fragment's H steps' worth, sent while the ranks train on
+        self.work = dist.all_reduce(pseudo, group=self.group, async_op=True)   # DiLoCo: summed
+
+    def arrived(self):
+        """The sync under way, its sum over the ranks waited for: the only wait of a step."""
+        if self.work:
+            self.work.wait()   # DiLoCo: the sum over all ranks, arrived
+            self.work = None
+        return self.in_flight
+
+    def end(self, raw_model):
+        """The sync under way, ended: the averaged pseudo-gradient steps the fragments' shared
+        weights, each replica merges them, and all take rank 0's buffers. Returns the fragments."""
+        which, pseudo = self.arrived()
+        self.in_flight = None
+        pairs = [pair for i in which for pair in self.fragments[i]]
+        average = pseudo / dist.get_world_size()
+        for (p, shared), part in zip(pairs, average.split([p.numel() for p, _ in pairs])):
+            shared.grad = part.view_as(shared)
+        # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum; the
+        # other fragments have no gradient, and do not move.
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         buffers = {name: b for name, b in raw_model.state_dict(keep_vars=True).items()
                    if not isinstance(b, torch.nn.Parameter)}
         for buffer in buffers.values():
-            self.sent[f"broadcast ({world_size} ranks)"] += common.nbytes(buffer)
+            self.sent[f"broadcast ({dist.get_world_size()} ranks)"] += common.nbytes(buffer)
             dist.broadcast(buffer, src=0)   # DiLoCo: rank 0's BatchNorm statistics
         with torch.no_grad():
-            # Every replica starts the next round from the shared weights.
-            for p, start in zip(replica, self.params):
-                p.copy_(start)
+            # Every replica goes on from the shared weights (alpha 0), or towards its own.
+            for p, shared in pairs:
+                p.copy_(shared.lerp(p, self.alpha))
             for name, buffer in buffers.items():
                 self.shared[name].copy_(buffer)
+        return which
 
     def state_dict(self):
-        return {"shared": self.shared, "optimizer": self.optimizer.state_dict()}
+        """The shared weights, the outer momentum and a sync under way, its sum arrived."""
+        return {"shared": self.shared, "optimizer": self.optimizer.state_dict(),
+                "in_flight": self.arrived()}
 
     def load_state_dict(self, state):
         with torch.no_grad():
             for name, t in self.shared.items():
                 t.copy_(state["shared"][name])
         self.optimizer.load_state_dict(state["optimizer"])
+        if state["in_flight"]:
+            which, pseudo = state["in_flight"]
+            self.in_flight = (which, pseudo.to(self.params[0].device))
 
 
 def trained_params(raw_model):
@@ -474,7 +581,8 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
     the stop's signal (None without one). A round's end waits for every rank; no other step
     does: the stop vote a step starts is read a step later, when it has long arrived."""
-    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS)
+    sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS, sent=0,
+                          syncs=0, sent_line=0, syncs_line=0)
     # After a restart inside the epoch, rank 0 carries every rank's sums so far.
     if here.batch_in_epoch and dist.get_rank() == 0:   # DiLoCo: rank 0's sums
         sums = common.Sums.on(device, **here.sums)
@@ -490,8 +598,11 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
         scheduler.step()
         here.batch_in_epoch += 1
         here.step += 1
-        if outer.round_ends(here.step):
-            outer.sync(raw_model, dist.get_world_size())   # DiLoCo: a round's end
+        # DiLoCo: a fragment's sync starts, or ends (the only step that waits)
+        sent, syncs = outer.after_step(raw_model, here.step)
+        for window in ("", "_line"):
+            sums["sent" + window] += sent
+            sums["syncs" + window] += syncs
         if here.step == final_step:
             break
         # The last step's vote, which has arrived: a stop, or a progress line, on every rank.
@@ -502,7 +613,10 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
             # Every rank sums its sums with the others' (a collective); rank 0 prints the line,
             # as common.Progress.say writes it.
             trained = sums.total()   # DiLoCo: the sums over all ranks
-            progress.say(here, trained, lr)
+            synced = outer.shown(trained, "_line")
+            progress.say(here, trained, lr, syncs=synced["syncs"],
+                         sent_MB=synced["sent_bytes"] / 1e6,
+                         largest_fragment_MB=synced["largest_fragment_bytes"] / 1e6)
             # What the line showed since the last one (the gradient norm's) starts again.
             sums.restart("_line")
         if checkpoint.due(here):
@@ -518,11 +632,11 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
     return sums, seconds, signalled
 
 
-def report_epoch(metrics, epoch, sums, seconds, tested, master):
+def report_epoch(metrics, epoch, sums, seconds, tested, master, outer):
     """The epoch's line, in metrics["epochs"] and, from rank 0, on the screen, in metrics.json and
-    curves.png: a run stopped later keeps them."""
+    curves.png: a run stopped later keeps them. The record has the epoch's syncs."""
     trained = sums.total()   # DiLoCo: summed over all ranks
-    record = common.epoch_record(epoch, trained, seconds, tested)
+    record = {**common.epoch_record(epoch, trained, seconds, tested), **outer.shown(trained)}
     metrics["epochs"].append(record)
     if master:
         print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc "
@@ -540,7 +654,16 @@ def say_start(raw_model, shape, optimizer, args, world_size, device, backend):
               f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
               f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
               f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
-              f"{args.outer_momentum:g}", flush=True)
+              f"{args.outer_momentum:g}{streaming(args)}", flush=True)
+
+
+def streaming(args):
+    """Streaming DiLoCo's settings, said after the run's first line; nothing without them."""
+    if args.fragments == 1 and args.sync_delay == 0:
+        return ""
+    return (f"; {args.fragments} fragment(s), one synced every "
+            f"{args.local_steps // args.fragments} step(s), sent {args.sync_delay} step(s) ahead, "
+            f"merged with alpha {args.fragment_alpha:g}")
 
 
 def train(args):
@@ -556,7 +679,12 @@ def train(args):
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
-    outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step)
+    runs = fragments(trained_params(raw_model), args.fragments)
+    if not all(runs):
+        raise SystemExit(f"error: --fragments {args.fragments} leaves a fragment empty: fewer "
+                         "fragments, or cut them your way in fragments()" if master else 1)
+    outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step, runs,
+                  args.sync_delay, args.fragment_alpha)
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
     flags = resume_flags(args, shape, len(train_set))
@@ -580,7 +708,7 @@ def train(args):
         if signalled:
             break
         tested = evaluate(raw_model, outer, test_batches, args, device)
-        report_epoch(metrics, epoch, sums, seconds, tested, master)
+        report_epoch(metrics, epoch, sums, seconds, tested, master, outer)
         if here.batch_in_epoch == steps_per_epoch:
             # The epoch's end, evaluated: a checkpoint of the next one's start.
             here = common.Position(epoch + 1, 0, here.step)
@@ -604,10 +732,12 @@ def train(args):
 
 def say_inside_round(step, last_step, args):
     """A note when the run ends inside a round: model.pt holds the shared weights of the last
-    sync."""
-    if step % args.local_steps and step != last_step:
-        print(f"note: stopped inside a round: model.pt holds the shared weights of the last sync "
-              f"(step {step - step % args.local_steps}); --resume goes on in the round", flush=True)
+    sync, of each fragment's."""
+    every = args.local_steps // args.fragments
+    if step != last_step and (step % args.local_steps or args.fragments > 1):
+        which = "the shared weights" if args.fragments == 1 else "each fragment's shared weights"
+        print(f"note: stopped inside a round: model.pt holds {which} of the last sync "
+              f"(step {step - step % every}); --resume goes on in the round", flush=True)
 
 
 # DiLoCo: an error's traceback goes to torchrun's error file, and its summary names the rank.

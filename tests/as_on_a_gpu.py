@@ -13,7 +13,8 @@ What a run under `as_on_a_gpu` sees:
   and FSDP2's root do; DataParallel checks the module is on its first device, splits the batch over its devices, runs
   a replica per device in threads, and gathers the outputs on the first;
 - a collective the page calls on the default group (NCCL on GPUs: all_reduce, broadcast) must be handed device
-  tensors, as NCCL needs, and then does nothing (one process: the sum is the tensor itself); the stop vote's gloo
+  tensors, as NCCL needs, and then does nothing (one process: the sum is the tensor itself), as must one on a group
+  made with the default backend (DiLoCo's syncs); the stop vote's gloo
   group, whose tensors are on the CPU by design, runs for real. The group itself is gloo's, one process;
 - autocast for meta is the CPU's.
 Nothing can be read back from meta: a page whose every training step of its first epoch and every evaluation forward
@@ -164,18 +165,26 @@ def device_mesh(device_type, shape, **options):   # FSDP2's mesh must be the GPU
 
 
 class Collectives:
-    """dist's collectives as the page calls them: on the default group (NCCL on GPUs), each tensor must be on the
-    "GPU", and then nothing happens (one process); on another group (the stop vote's gloo), the real one."""
+    """dist's collectives as the page calls them: on the default group, or one made with its backend (NCCL on GPUs:
+    DiLoCo's syncs), each tensor must be on the "GPU", and then nothing happens (one process; handed async_op, no
+    work to wait for); on a gloo group (the stop vote's), the real one."""
     NAMES = ("all_reduce", "broadcast")   # those the pages call themselves (one process: no ring's send/recv runs)
 
     def __init__(self, monkeypatch):
-        self.calls = []
+        self.calls, self.nccl = [], [None, dist.group.WORLD]
         for name in self.NAMES:
             monkeypatch.setattr(dist, name, self.checked(name, getattr(dist, name)))
+        real_new_group = dist.new_group
+        def new_group(*args, backend=None, **kwargs):
+            group = real_new_group(*args, backend=backend, **kwargs)
+            if backend is None:   # the default group's backend: NCCL
+                self.nccl.append(group)
+            return group
+        monkeypatch.setattr(dist, "new_group", new_group)
 
     def checked(self, name, real):
         def collective(*args, group=None, **kwargs):
-            if group is not None and group is not dist.group.WORLD:
+            if not any(group is nccl for nccl in self.nccl):
                 return real(*args, group=group, **kwargs)
             tensors = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
             off = [str(t.device) for t in tensors if t.device.type != "meta"]

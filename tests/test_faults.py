@@ -175,24 +175,27 @@ def test_killed_worker_restarts_mid_epoch_and_ends_with_uninterrupted_weights(re
 
 
 # ---------------------------------------------------------------- a rank fails: torchrun's conventions
-@pytest.mark.parametrize("script", ["ddp_resnet.py", "fsdp_resnet.py", "diloco_resnet.py"])
-def test_a_failed_ranks_reason_reaches_torchruns_summary_and_its_peer_ends_at_once(script, tmp_path):
+@pytest.mark.parametrize("script, flags, batch", [
+    ("ddp_resnet.py", [], 0), ("fsdp_resnet.py", [], 0), ("diloco_resnet.py", [], 0),
+    ("diloco_resnet.py", ["--local-steps", "4", "--fragments", "2", "--sync-delay", "1"], 1)])
+def test_a_failed_ranks_reason_reaches_torchruns_summary_and_its_peer_ends_at_once(script, flags, batch, tmp_path):
     """Rank 1's first batch holds a truncated image, read by a DataLoader worker. Rank 1's error, which names
     the file, reaches torchrun's summary through its error file (@record on main); rank 0, waiting in a
-    collective, ends at once with what torch says (gloo sees the connection close), and no rank aborts."""
+    collective, ends at once with what torch says (gloo sees the connection close), and no rank aborts.
+    Streaming DiLoCo: rank 1's second batch, read with a fragment's sync on its way (sent after step 1)."""
     folder = tmp_path / "images"
     write_images(DATA, str(folder), 32, 20)
     train, _, _ = folder_datasets(folder, augment=True)
     sampler = common.ResumableSampler(common.Seeded(train, 0), 4, rank=1, world_size=2, seed=0)
     sampler.set_epoch(1)
-    first = next(iter(sampler))
+    first = list(sampler)[4 * batch]
     assert first != 0   # image 0 is opened by both ranks before training, to see its mode
-    bad = train.samples[first][0]   # rank 1's first image
+    bad = train.samples[first][0]   # the first image of rank 1's batch `batch`
     with open(bad, "r+b") as f:
         f.truncate(60)
     started = time.time()
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--data-dir", str(folder), "--image-size",
-                  "28", "--workers", "1", "--batch-size", "8", "--max-steps", "2", "--out", str(tmp_path / "out")],
+                  "28", "--workers", "1", "--batch-size", "8", "--max-steps", "2", "--out", str(tmp_path / "out")] + flags,
                  timeout=120)
     assert result.returncode != 0 and time.time() - started < 60
     summary = result.stderr.split("ChildFailedError")[-1]   # torchrun's
