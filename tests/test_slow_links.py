@@ -216,7 +216,6 @@ def test_streaming_diloco_is_the_schedule_written_out(delay, alpha, streaming_re
     page = {name: weights[name] for name in expected}
     assert max_difference(page, expected) <= tolerance
     others = [max_difference(page, weights) for key, (weights, _) in references.items() if key != (delay, alpha)]
-    print(tolerance, max_difference(page, expected), others)
     assert min(others) > 10 * tolerance
     lines = re.findall(r"step +(\d+)/9 .* sent MB ([\d.e+-]+) +largest fragment MB ([\d.]+)", result.stdout)
     assert [(int(step), float(mb)) for step, mb, _ in lines] == [(i + 1, float(f"{b / 1e6:.4g}")) for i, b in
