@@ -14,14 +14,15 @@ with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9, the paper's) s
 weights with it; every replica starts the next round from them. BatchNorm statistics are rank 0's
 at each sync, as in ddp_resnet.py.
 
-Streaming DiLoCo (Douillard et al., 2025; torchft's DiLoCo with model fragments does the same
-arithmetic) hides the sync behind the steps: `--fragments` F cuts the model into F consecutive
-runs of about equal bytes (fragments()), and every H/F steps one fragment, in turn, is synced,
-each still once every H steps: a sync sends a fragment, not the model. Its pseudo-gradient leaves
-`--sync-delay` TAU steps before its outer step, on a process group of its own, while the ranks
-train on; the step of its outer step is the only one that waits for it. Then each replica takes
-lerp(shared, its own, `--fragment-alpha` ALPHA) of the fragment: 0 drops what it learned in
-those TAU steps. Rank 0's BatchNorm statistics, all of them, come with every sync. At the
+Streaming DiLoCo (Douillard et al., 2025) hides the sync behind the steps: `--fragments` F cuts
+the model's parameters into F consecutive runs of about equal bytes (fragments()), and every H/F
+steps one fragment, in turn, is synced, so each is synced every H steps: a sync sends a fragment's
+pseudo-gradient, not the model's. It leaves `--sync-delay` TAU steps before its outer step, on a
+process group of its own, while the ranks train on; the step of its outer step is the only one
+that waits for it. Then each replica takes lerp(shared, its own, `--fragment-alpha` ALPHA) of
+the fragment: 0 drops what it learned in those TAU steps. On the parameters this is the
+arithmetic of torchft's DiLoCo with model fragments (which leaves buffers alone); here rank 0's
+BatchNorm statistics, all of them (38 KB for ResNet-18), come with every sync, blocking. At the
 training's last step every fragment is synced (a sync due later is not started).
 
     torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 8 --fragments 4 \\
@@ -206,10 +207,13 @@ def make_optimizer(raw_model, args, steps_per_epoch):
 
 
 # ---------------------------------------------------------------- what one sync sends
-def fragments(params, count):
-    """The parameters that train, in the model's order, cut into `count` consecutive runs of about
-    equal bytes: each parameter goes where its middle byte falls. Streaming DiLoCo syncs one run
-    at a time. Cut them your way here (a list of lists that holds each parameter once)."""
+def fragments(raw_model, count):
+    """The model's parameters that train, in its order, cut into `count` consecutive runs of about
+    equal bytes: each goes where its middle byte falls (a tensor of a fifth of the model makes a
+    run of its own; more runs than such tensors leave one empty, refused). Streaming DiLoCo syncs
+    the runs in this order, one at a time. Cut them your way here, by name if you like
+    (raw_model.named_parameters()): `count` runs that hold each parameter that trains once."""
+    params = trained_params(raw_model)
     total, before = common.nbytes(*params), 0
     runs = [[] for _ in range(count)]
     for p in params:
@@ -245,9 +249,9 @@ def train_step(model, optimizer, X, y, step, args, sums):
 
 @torch.no_grad()
 def evaluate(raw_model, outer, batches, args, device):
-    """The test loss (plain cross-entropy) and accuracy of the shared weights of the last sync over
-    all ranks, each test image counted once, and that count, in the training's precision and
-    memory layout. This rank's replica is put back after, each module in its mode."""
+    """The test loss (plain cross-entropy) and accuracy of the shared weights (each fragment's last
+    sync's) over all ranks, each test image counted once, and that count, in the training's
+    precision and memory layout. This rank's replica is put back after, each module in its mode."""
     replica = copy.deepcopy(raw_model.state_dict())
     raw_model.load_state_dict(outer.shared)
     sums = common.Sums.on(device, loss=0, correct=0, samples=0)
@@ -272,7 +276,7 @@ class Checkpoint:
     """The checkpoint file, written by rank 0 and read by rank 0 alone: the position, the training
     flags, the history of the epochs, the shared weights and the outer momentum, and the name of
     its replica folder. That folder, beside the file, holds every rank's own `things` (its replica,
-    its inner optimizer, the schedule, and what you add: inside a round the replicas differ), one
+    its inner optimizer, the schedule, and what you add: between syncs the replicas differ), one
     file per rank, moved through rank 0 one at a time: its memory does not grow with the world
     size. A resume needs the same world size."""
     KEYS = {"position", "flags", "history", "outer", "world_size", "replicas"}
@@ -298,6 +302,8 @@ class Checkpoint:
         file. Older replica folders are deleted only once the new file is in place, so that a
         crash leaves the last complete checkpoint."""
         folder = f"{self.path}.replicas-step{position.step}"
+        # A sync on its way has arrived on every rank: none leaves it behind at a stop.
+        self.outer.arrived()   # DiLoCo: wait for it
         self.save_replicas(folder)
         if self.master:
             state = {"script": os.path.basename(__file__), "position": dataclasses.asdict(position),
@@ -423,6 +429,7 @@ class Outer:
         # The syncs' allreduce travels on a group of its own while the steps go on: on NCCL, the
         # default group's collectives would queue behind it.
         self.group = dist.new_group()   # DiLoCo: the syncs' own
+        self.ranks = dist.get_world_size()   # DiLoCo: how many
         # The sync under way: (its fragments, its pseudo-gradient, summed over the ranks once the
         # allreduce `work` has arrived).
         self.in_flight = self.work = None
@@ -448,9 +455,8 @@ class Outer:
     def shown(self, trained, window=""):
         """From sums over all ranks: the syncs ended, the bytes each rank sent, since the last
         progress line (window "_line") or in the epoch; and the largest fragment's bytes."""
-        ranks = dist.get_world_size()
-        return {"syncs": round(trained["syncs" + window] / ranks),
-                "sent_bytes": trained["sent" + window] / ranks,
+        return {"syncs": round(trained["syncs" + window] / self.ranks),
+                "sent_bytes": trained["sent" + window] / self.ranks,
                 "largest_fragment_bytes": self.largest}
 
     def start(self, which):
@@ -458,7 +464,7 @@ class Outer:
         waiting."""
         pairs = [pair for i in which for pair in self.fragments[i]]
         pseudo = torch.cat([(shared - p.detach()).flatten() for p, shared in pairs])
-        self.sent[f"all_reduce ({dist.get_world_size()} ranks)"] += common.nbytes(pseudo)
+        self.sent[f"all_reduce ({self.ranks} ranks)"] += common.nbytes(pseudo)
         self.in_flight = (which, pseudo)
         # DiLoCo: one fragment's H steps' worth, sent while the ranks train on
         self.work = dist.all_reduce(pseudo, group=self.group, async_op=True)   # DiLoCo: summed
@@ -476,7 +482,7 @@ class Outer:
         which, pseudo = self.arrived()
         self.in_flight = None
         pairs = [pair for i in which for pair in self.fragments[i]]
-        average = pseudo / dist.get_world_size()
+        average = pseudo / self.ranks
         for (p, shared), part in zip(pairs, average.split([p.numel() for p, _ in pairs])):
             shared.grad = part.view_as(shared)
         # Nesterov: the shared weights move by the averaged pseudo-gradient, with momentum; the
@@ -486,7 +492,7 @@ class Outer:
         buffers = {name: b for name, b in raw_model.state_dict(keep_vars=True).items()
                    if not isinstance(b, torch.nn.Parameter)}
         for buffer in buffers.values():
-            self.sent[f"broadcast ({dist.get_world_size()} ranks)"] += common.nbytes(buffer)
+            self.sent[f"broadcast ({self.ranks} ranks)"] += common.nbytes(buffer)
             dist.broadcast(buffer, src=0)   # DiLoCo: rank 0's BatchNorm statistics
         with torch.no_grad():
             # Every replica goes on from the shared weights (alpha 0), or towards its own.
@@ -579,7 +585,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
                 checkpoint, progress, args, device):
     """Epoch `here.epoch`'s steps from its batch `here.batch_in_epoch` on, to the epoch's end, the
     run's last step or a stop; `here` moves with them. Returns the epoch's sums and seconds, and
-    the stop's signal (None without one). A round's end waits for every rank; no other step
+    the stop's signal (None without one). A sync's end waits for every rank; no other step
     does: the stop vote a step starts is read a step later, when it has long arrived."""
     sums = common.Sums.on(device, loss=0, correct=0, samples=0, **common.NORM_SUMS, sent=0,
                           syncs=0, sent_line=0, syncs_line=0)
@@ -652,18 +658,10 @@ def say_start(raw_model, shape, optimizer, args, world_size, device, backend):
         print(f"diloco_resnet: {type(raw_model).__name__} for {shape} images, {world_size} rank(s) "
               f"on {device} ({backend}), global batch {args.batch_size} = {world_size} x "
               f"{args.batch_size // world_size}, {type(optimizer).__name__} at lr "
-              f"{optimizer.param_groups[0]['initial_lr']:g}; a sync every {args.local_steps} "
-              f"step(s): outer SGD lr {args.outer_lr:g}, Nesterov momentum "
-              f"{args.outer_momentum:g}{streaming(args)}", flush=True)
-
-
-def streaming(args):
-    """Streaming DiLoCo's settings, said after the run's first line; nothing without them."""
-    if args.fragments == 1 and args.sync_delay == 0:
-        return ""
-    return (f"; {args.fragments} fragment(s), one synced every "
-            f"{args.local_steps // args.fragments} step(s), sent {args.sync_delay} step(s) ahead, "
-            f"merged with alpha {args.fragment_alpha:g}")
+              f"{optimizer.param_groups[0]['initial_lr']:g}; {args.fragments} fragment(s), one "
+              f"synced every {args.local_steps // args.fragments} step(s), sent {args.sync_delay} "
+              f"step(s) ahead (alpha {args.fragment_alpha:g}): outer SGD lr {args.outer_lr:g}, "
+              f"Nesterov momentum {args.outer_momentum:g}", flush=True)
 
 
 def train(args):
@@ -679,10 +677,13 @@ def train(args):
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
-    runs = fragments(trained_params(raw_model), args.fragments)
-    if not all(runs):
-        raise SystemExit(f"error: --fragments {args.fragments} leaves a fragment empty: fewer "
-                         "fragments, or cut them your way in fragments()" if master else 1)
+    runs = fragments(raw_model, args.fragments)
+    held = sorted(id(p) for run in runs for p in run)
+    if len(runs) != args.fragments or not all(runs) or held != sorted(map(id, trained_params(
+            raw_model))):
+        raise SystemExit(f"error: fragments() must cut the parameters that train into --fragments "
+                         f"{args.fragments} runs, none empty, each parameter in one: fewer "
+                         "fragments, or cut them your way there" if master else 1)
     outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step, runs,
                   args.sync_delay, args.fragment_alpha)
     devices = common.every_rank(str(device), world_size)

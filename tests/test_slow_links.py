@@ -135,7 +135,7 @@ def streaming_reference(delay, alpha, threads=1, steps=9, every=3, count=4, rank
     names = [name for name, _ in replicas[0].named_parameters()]
     params = [list(r.parameters()) for r in replicas]
     index = {id(p): j for j, p in enumerate(params[0])}
-    runs = [[index[id(p)] for p in run] for run in diloco_resnet.fragments(params[0], count)]
+    runs = [[index[id(p)] for p in run] for run in diloco_resnet.fragments(replicas[0], count)]
     shared = [p.detach().clone() for p in params[0]]
     outer = torch.optim.SGD(shared, lr=0.7, momentum=0.9, nesterov=True)
     lr = 0.05 * 16 / 256
@@ -220,7 +220,7 @@ def test_streaming_diloco_is_the_schedule_written_out(delay, alpha, streaming_re
     lines = re.findall(r"step +(\d+)/9 .* sent MB ([\d.e+-]+) +largest fragment MB ([\d.]+)", result.stdout)
     assert [(int(step), float(mb)) for step, mb, _ in lines] == [(i + 1, float(f"{b / 1e6:.4g}")) for i, b in
                                                                   enumerate(sent[:8])]
-    largest = max(4 * sum(p.numel() for p in run) for run in diloco_resnet.fragments(list(mobilenet().parameters()), 4))
+    largest = max(4 * sum(p.numel() for p in run) for run in diloco_resnet.fragments(mobilenet(), 4))
     assert {float(mb) for *_, mb in lines} == {float(f"{largest / 1e6:.4g}")}
     epoch = metrics(tmp_path)["epochs"][0]
     assert (epoch["syncs"], epoch["sent_bytes"], epoch["largest_fragment_bytes"]) == (4, sum(sent), largest)
@@ -258,18 +258,25 @@ def test_streaming_flags_that_cannot_work_are_refused_at_parse_time(flags, why):
     assert str(refused.value).startswith(f"error: {why}") and "\n" not in str(refused.value)
 
 
-def test_fragments_cut_the_model_in_order_into_runs_of_about_equal_bytes_or_an_empty_one_is_refused(tmp_path):
+def test_fragments_cut_the_model_in_order_into_runs_of_about_equal_bytes_or_an_empty_one_is_refused(
+        monkeypatch, tmp_path):
     """ResNet-18's parameters in 4 runs: consecutive, each once, none over twice the mean (its
-    largest tensor is 21% of the bytes); 64 fragments leave one empty: refused in one line."""
-    params = list(fashion_resnet(0).parameters())
-    runs = diloco_resnet.fragments(params, 4)
+    largest tensor is 21% of the bytes); 64 fragments leave one empty, and a fragments() of yours
+    that leaves out a parameter would never sync it: each refused in one line before training."""
+    net = fashion_resnet(0)
+    params = list(net.parameters())
+    runs = diloco_resnet.fragments(net, 4)
     assert [id(p) for run in runs for p in run] == [id(p) for p in params] and all(runs)
     assert max(4 * sum(p.numel() for p in run) for run in runs) <= 2 * 4 * sum(p.numel() for p in params) / 4
     result = run(["python", "diloco_resnet.py", "--local-steps", "64", "--fragments", "64", "--out", str(tmp_path)]
                  + RESNET)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == ("error: --fragments 64 leaves a fragment empty: fewer "
-                                                      "fragments, or cut them your way in fragments()")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: fragments() must cut the parameters that train into --fragments 64 runs, none empty, each parameter "
+        "in one: fewer fragments, or cut them your way there")
+    monkeypatch.setattr(diloco_resnet, "fragments", lambda raw_model, count: [list(raw_model.parameters())[:-1]])
+    with pytest.raises(SystemExit, match=r"^error: fragments\(\) must cut the parameters that train into --fragments 1"):
+        diloco_resnet.main(RESNET + ["--out", str(tmp_path / "yours")])
 
 
 @pytest.mark.parametrize("hook, nproc", [("bf16", 2), ("fp16", 1)])
