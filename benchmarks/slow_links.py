@@ -15,6 +15,19 @@ link carried per step (its eth0 tx_bytes, the same difference), beside that link
 time on the wire if nothing overlapped. With --rounds N each variant runs N times, the variants taking turns: a row
 is its median run, and its ratio to DDP the median of its rounds' ratios to DDP's step of the same round.
 
+DiLoCo's rows beside the no-sync floor: the same diloco_resnet.py run with every sync skipped (this
+file started by torchrun with --no-sync-worker first), its computation alone; "x floor" is a row's
+step over the floor's of the same round, and each DiLoCo row says what one sync hands (its largest
+fragment) and what node 0's link carried per sync.
+
+    python benchmarks/slow_links.py --rates 10 100 --only DDP "DiLoCo H = 20" "Streaming*" \
+        "no-sync*" --accuracy-rate 0 --rounds 2
+    python benchmarks/slow_links.py --sweep "Streaming DiLoCo H = 20" --seeds 0 1 2
+
+--sweep measures accuracy at equal samples instead, on this machine's loopback (2 ranks; a run's
+training is the same at any link rate, and its time at a rate is its steps times the rows' step):
+SWEEP's settings, each seed a run, into runs/slow_links/sweep.json.
+
 Then accuracy at an equal number of samples (`--accuracy-rate`, default 100 Mbit/s): DDP, DDP +
 PowerSGD rank 4 (its default 10 plain steps first) and DiLoCo H = 10 each train 6 epochs of 1,024
 Fashion-MNIST images (96 steps of 64, 6,144 samples), tested on 1,000 after every epoch; printed
@@ -42,6 +55,11 @@ VARIANTS = [   # label, script, flags, processes per node, (K1, K2)
     ("Streaming DiLoCo H = 20, F = 4, TAU = 4", "diloco_resnet.py",
      ["--local-steps", "20", "--fragments", "4", "--sync-delay", "4"], 1, (2, 22)),
     ("no-sync floor (DiLoCo H = 20, syncs skipped)", NO_SYNC, ["--local-steps", "20"], 1, (2, 22)),
+    ("DiLoCo H = 100", "diloco_resnet.py", ["--local-steps", "100", "--train-samples", "8192"], 1, (2, 102)),
+    ("Streaming DiLoCo H = 100, F = 5, TAU = 15", "diloco_resnet.py",
+     ["--local-steps", "100", "--fragments", "5", "--sync-delay", "15", "--train-samples", "8192"], 1, (2, 102)),
+    ("Streaming DiLoCo H = 100, F = 5, TAU = 19", "diloco_resnet.py",
+     ["--local-steps", "100", "--fragments", "5", "--sync-delay", "19", "--train-samples", "8192"], 1, (2, 102)),
     ("FSDP, 2 nodes x 2", "fsdp_resnet.py", [], 2, (2, 5)),
     ("HSDP, 2 nodes x 2", "fsdp_resnet.py", ["--hsdp"], 2, (2, 5)),
 ]
@@ -157,7 +175,9 @@ SWEEP = [("DDP", "ddp_resnet.py", []), ("DiLoCo H = 10", "diloco_resnet.py", ["-
      ["--local-steps", str(h), "--fragments", str(f), "--sync-delay", str(tau), "--fragment-alpha", str(alpha),
       "--outer-lr", str(lr)])
     for h, f, tau, alpha, lr in [(20, 4, 4, 0.0, 0.7), (20, 4, 4, 0.5, 0.7), (20, 4, 1, 0.0, 0.7), (8, 4, 1, 0.0, 0.7),
-                                 (8, 4, 1, 0.5, 0.7), (20, 4, 4, 0.5, 0.4), (20, 4, 4, 0.5, 1.0)]]
+                                 (8, 4, 1, 0.5, 0.7), (20, 4, 4, 0.5, 0.4), (20, 4, 4, 0.5, 1.0), (40, 4, 9, 0.0, 0.7),
+                                 (100, 5, 15, 0.0, 0.7), (100, 5, 15, 0.5, 0.7)]] + [
+    ("DiLoCo H = 100", "diloco_resnet.py", ["--local-steps", "100"])]
 
 
 def sweep(settings, seeds):
