@@ -472,7 +472,7 @@ class Outer:
     def arrived(self):
         """The sync under way, its sum over the ranks waited for: the only wait of a step."""
         if self.work:
-            self.work.wait()   # DiLoCo: the sum over all ranks, arrived
+            self.work.wait()   # DiLoCo: all ranks' sum, arrived
             self.work = None
         return self.in_flight
 
