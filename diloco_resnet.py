@@ -25,8 +25,8 @@ arithmetic of torchft's DiLoCo with model fragments (which leaves buffers alone)
 BatchNorm statistics, all of them (38 KB for ResNet-18), come with every sync, blocking. At the
 training's last step every fragment is synced (a sync due later is not started).
 
-    torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 8 --fragments 4 \\
-        --sync-delay 1
+    torchrun --standalone --nproc_per_node=2 diloco_resnet.py --local-steps 20 --fragments 4 \\
+        --sync-delay 4 --fragment-alpha 0.5   # the best measured: benchmarks/README.md
 
 With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
 average of the ranks' SGD updates from the same weights is the update of their averaged gradient
@@ -620,7 +620,7 @@ def train_epoch(raw_model, optimizer, scheduler, outer, batches, here, final_ste
             # as common.Progress.say writes it.
             trained = sums.total()   # DiLoCo: the sums over all ranks
             synced = outer.shown(trained, "_line")
-            progress.say(here, trained, lr, syncs=synced["syncs"],
+            progress.say(here, trained, lr, syncs_done=synced["syncs"],
                          sent_MB=synced["sent_bytes"] / 1e6,
                          largest_fragment_MB=synced["largest_fragment_bytes"] / 1e6)
             # What the line showed since the last one (the gradient norm's) starts again.
