@@ -16,17 +16,20 @@ time on the wire if nothing overlapped. With --rounds N each variant runs N time
 is its median run, and its ratio to DDP the median of its rounds' ratios to DDP's step of the same round.
 
 DiLoCo's rows beside the no-sync floor: the same diloco_resnet.py run with every sync skipped (this
-file started by torchrun with --no-sync-worker first), its computation alone; "x floor" is a row's
-step over the floor's of the same round, and each DiLoCo row says what one sync hands (its largest
+file started by torchrun with --no-sync-worker first), its computation alone, at H = 20 and over H = 100's
+steps; "x floor" is a row's step over its floor's (H = 100's for H = 100 rows) of the same round, and each DiLoCo row says what one sync hands (its largest
 fragment) and what node 0's link carried per sync.
 
     python benchmarks/slow_links.py --rates 10 100 --only DDP "DiLoCo H = 20" "Streaming*" \
         "no-sync*" --accuracy-rate 0 --rounds 2
-    python benchmarks/slow_links.py --sweep "Streaming DiLoCo H = 20" --seeds 0 1 2
+    python benchmarks/slow_links.py --sweep "Streaming DiLoCo H = 8, F = 4, TAU = 1" --seeds 0 1 2
+    python benchmarks/slow_links.py --frontier
 
 --sweep measures accuracy at equal samples instead, on this machine's loopback (2 ranks; a run's
 training is the same at any link rate, and its time at a rate is its steps times the rows' step):
-SWEEP's settings, each seed a run, into runs/slow_links/sweep.json.
+SWEEP's settings, each seed a run, into runs/slow_links/sweep.json. --frontier then puts each setting's
+accuracy after each epoch against its training minutes at each rate measured (results.json keeps every row
+measured), printed and drawn in benchmarks/slow_links_frontier.png.
 
 Then accuracy at an equal number of samples (`--accuracy-rate`, default 100 Mbit/s): DDP, DDP +
 PowerSGD rank 4 (its default 10 plain steps first) and DiLoCo H = 10 each train 6 epochs of 1,024
@@ -54,18 +57,26 @@ VARIANTS = [   # label, script, flags, processes per node, (K1, K2)
     ("DiLoCo H = 20", "diloco_resnet.py", ["--local-steps", "20"], 1, (2, 22)),
     ("Streaming DiLoCo H = 20, F = 4, TAU = 4", "diloco_resnet.py",
      ["--local-steps", "20", "--fragments", "4", "--sync-delay", "4"], 1, (2, 22)),
+    ("DiLoCo H = 8", "diloco_resnet.py", ["--local-steps", "8"], 1, (2, 18)),
+    ("Streaming DiLoCo H = 8, F = 4, TAU = 1", "diloco_resnet.py",
+     ["--local-steps", "8", "--fragments", "4", "--sync-delay", "1"], 1, (2, 18)),
+    ("Streaming DiLoCo H = 16, F = 4, TAU = 3", "diloco_resnet.py",
+     ["--local-steps", "16", "--fragments", "4", "--sync-delay", "3"], 1, (2, 18)),
     ("no-sync floor (DiLoCo H = 20, syncs skipped)", NO_SYNC, ["--local-steps", "20"], 1, (2, 22)),
     ("DiLoCo H = 100", "diloco_resnet.py", ["--local-steps", "100", "--train-samples", "8192"], 1, (2, 102)),
     ("Streaming DiLoCo H = 100, F = 5, TAU = 15", "diloco_resnet.py",
      ["--local-steps", "100", "--fragments", "5", "--sync-delay", "15", "--train-samples", "8192"], 1, (2, 102)),
     ("Streaming DiLoCo H = 100, F = 5, TAU = 19", "diloco_resnet.py",
      ["--local-steps", "100", "--fragments", "5", "--sync-delay", "19", "--train-samples", "8192"], 1, (2, 102)),
+    ("no-sync floor (DiLoCo H = 100, syncs skipped)", NO_SYNC, ["--local-steps", "100", "--train-samples", "8192"], 1,
+     (2, 102)),
     ("FSDP, 2 nodes x 2", "fsdp_resnet.py", [], 2, (2, 5)),
     ("HSDP, 2 nodes x 2", "fsdp_resnet.py", ["--hsdp"], 2, (2, 5)),
 ]
 
 
-FLOOR = "no-sync floor (DiLoCo H = 20, syncs skipped)"
+# A variant's floor: the no-sync run over the same steps (H = 100's when its label says so, else H = 20's).
+FLOOR = lambda label: f"no-sync floor (DiLoCo H = {100 if 'H = 100' in label else 20}, syncs skipped)"
 ACCURACY = [("DDP", "ddp_resnet.py", []), ("DDP + PowerSGD rank 4", "ddp_resnet.py", ["--comm-hook", "powersgd"]),
             ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"])]
 ACCURACY_FLAGS = ["--batch-size", "64", "--train-samples", "1024", "--test-samples", "1000", "--epochs", "6",
@@ -121,9 +132,13 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="+", metavar="LABEL", help="instead: the accuracy of SWEEP's settings whose label "
                    "starts with one of these, on this machine's loopback (the training is the same at any link rate)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="--sweep: a run for each")
+    p.add_argument("--frontier", action="store_true", help="instead: the sweep's accuracy against its time at each "
+                   "rate measured (sweep.json, results.json), printed and drawn")
     args = p.parse_args(argv)
     if args.sweep:
         return sweep([s for s in SWEEP if s[0].startswith(tuple(args.sweep))], args.seeds)
+    if args.frontier:
+        return frontier()
     problem = simulated_cluster.unavailable()
     if problem:
         sys.exit(f"{problem}; this benchmark needs it")
@@ -131,7 +146,9 @@ def main(argv=None):
     os.makedirs(OUT, exist_ok=True)
     chosen = lambda label: label in args.only or label.startswith(tuple(o[:-1] for o in args.only if o[-1] == "*"))
     variants = [v for v in VARIANTS if not args.only or chosen(v[0])]
-    results = {}
+    # Earlier runs' rows stay (the frontier below reads them); a variant measured again replaces its own.
+    path = os.path.join(OUT, "results.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
     print(f"slow links on {os.cpu_count()} cores: ResNet-18, global batch 64, 2 simulated nodes; a step's time = "
           f"the difference of two runs' training seconds over their difference in steps", flush=True)
     for rate in args.rates:
@@ -148,35 +165,44 @@ def main(argv=None):
         for label, *_ in variants:   # the round with the median step, every round's steps beside it
             r = sorted(runs[label], key=lambda run: run["step_s"])[(args.rounds - 1) // 2]
             r["step_s_rounds"] = [run["step_s"] for run in runs[label]]
-            for key, base in (("x_ddp", "DDP"), ("x_floor", FLOOR)):   # over its step of the same round, the median
+            # Over its step of the same round, the median.
+            for key, base in (("x_ddp", "DDP"), ("x_floor", FLOOR(label))):
                 if base in runs:
                     r[key] = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(runs[label], runs[base]))
-            results.setdefault(label, {})[rate] = r
+            results.setdefault(label, {})[str(rate)] = r
             wire_s = r["link_bytes_per_step"] * 8 / (rate * 1e6)
             print(f"  {label:50}{r['step_s']:7.2f}{r.get('x_ddp', float('nan')):8.2f}"
                   f"{r.get('x_floor', float('nan')):9.2f}{r['sent_bytes_per_step'] / 1e6:17.2f}"
                   f"{r['link_bytes_per_step'] / 1e6:24.2f}{wire_s:22.2f}", flush=True)
         for label, *_ in variants:   # DiLoCo's syncs: node 0's link per sync, beside the largest fragment handed
-            r = results[label][rate]
+            r = results[label][str(rate)]
             if r["largest_fragment_bytes"] and "floor" not in label:
                 print(f"  {label:50}a sync: {r['largest_fragment_bytes'] / 1e6:.2f} MB its largest fragment, "
                       f"{r['link_bytes_per_sync'] / 1e6:.2f} MB over node 0's link (mean)", flush=True)
-        json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
+        json.dump(results, open(path, "w"), indent=1)
     if args.accuracy_rate:
         accuracy(results, args.accuracy_rate)
-        json.dump(results, open(os.path.join(OUT, "results.json"), "w"), indent=1)
+        json.dump(results, open(path, "w"), indent=1)
     print(f"\nwrote {os.path.relpath(OUT, ROOT)}/results.json", flush=True)
 
 
 # Settings whose accuracy --sweep measures at ACCURACY_FLAGS' 96 steps: label, script, flags.
 SWEEP = [("DDP", "ddp_resnet.py", []), ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"]),
          ("DiLoCo H = 20", "diloco_resnet.py", ["--local-steps", "20"])] + [
-    (f"Streaming DiLoCo H = {h}, F = {f}, TAU = {tau}, ALPHA = {alpha}, outer lr {lr}", "diloco_resnet.py",
+    (f"Streaming DiLoCo H = {h}, F = {f}, TAU = {tau}, ALPHA = {alpha}, outer lr {lr}"
+     + (f", momentum {m}" if m != 0.9 else ""), "diloco_resnet.py",
      ["--local-steps", str(h), "--fragments", str(f), "--sync-delay", str(tau), "--fragment-alpha", str(alpha),
-      "--outer-lr", str(lr)])
-    for h, f, tau, alpha, lr in [(20, 4, 4, 0.0, 0.7), (20, 4, 4, 0.5, 0.7), (20, 4, 1, 0.0, 0.7), (8, 4, 1, 0.0, 0.7),
-                                 (8, 4, 1, 0.5, 0.7), (20, 4, 4, 0.5, 0.4), (20, 4, 4, 0.5, 1.0), (40, 4, 9, 0.0, 0.7),
-                                 (100, 5, 15, 0.0, 0.7), (100, 5, 15, 0.5, 0.7)]] + [
+      "--outer-lr", str(lr), "--outer-momentum", str(m)])
+    for h, f, tau, alpha, lr, m in [
+        (20, 4, 4, 0.0, 0.7, 0.9), (20, 4, 4, 0.5, 0.7, 0.9), (20, 4, 1, 0.0, 0.7, 0.9), (8, 4, 1, 0.0, 0.7, 0.9),
+        (8, 4, 1, 0.5, 0.7, 0.9), (20, 4, 4, 0.5, 0.4, 0.9), (20, 4, 4, 0.5, 1.0, 0.9), (40, 4, 9, 0.0, 0.7, 0.9),
+        (100, 5, 15, 0.0, 0.7, 0.9), (100, 5, 15, 0.5, 0.7, 0.9), (20, 4, 4, 0.5, 1.0, 0.0), (20, 4, 4, 0.5, 0.7, 0.5),
+        (8, 2, 3, 0.5, 1.0, 0.0), (8, 4, 1, 0.5, 1.0, 0.0), (20, 4, 4, 0.0, 1.0, 0.0), (100, 5, 15, 0.5, 1.0, 0.0),
+        (16, 4, 3, 0.5, 1.0, 0.0), (12, 4, 2, 0.5, 1.0, 0.0), (8, 4, 1, 0.0, 1.0, 0.0)]] + [
+    ("DiLoCo H = 20, outer lr 1.0, momentum 0.0", "diloco_resnet.py",
+     ["--local-steps", "20", "--outer-lr", "1.0", "--outer-momentum", "0"]),
+    ("DiLoCo H = 8, outer lr 1.0, momentum 0.0", "diloco_resnet.py",
+     ["--local-steps", "8", "--outer-lr", "1.0", "--outer-momentum", "0"]),
     ("DiLoCo H = 100", "diloco_resnet.py", ["--local-steps", "100"])]
 
 
@@ -225,6 +251,52 @@ def accuracy(results, rate):
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, "benchmarks", "slow_links_accuracy.png"), dpi=100)
+
+
+def frontier():
+    """Each swept setting's mean test accuracy after each epoch against the training minutes to it at each link rate:
+    the epoch's steps times the step measured for its row (the row of its H, F and TAU: ALPHA and the outer optimizer
+    do not change a step's time). Drawn in benchmarks/slow_links_frontier.png."""
+    swept = json.load(open(os.path.join(OUT, "sweep.json")))
+    rows = json.load(open(os.path.join(OUT, "results.json")))
+    steps = int(ACCURACY_FLAGS[ACCURACY_FLAGS.index("--train-samples") + 1]) // 64   # an epoch's steps at batch 64
+    rates = sorted({rate for row in rows.values() for rate in row if rate.isdigit()}, key=int)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt, matplotlib.ticker
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
+    curves = {label: [statistics.mean(c) for c in zip(*seeds.values())] for label, seeds in swept.items()}
+    # The mark: the best end of a setting other than DDP's over 3 seeds or more; each setting's minutes to it.
+    mark = max(c[-1] for label, c in curves.items() if label != "DDP" and len(swept[label]) >= 3)
+    print(f"frontier: mean test accuracy after the last epoch (seeds), training minutes at each rate to it, and to "
+          f"{mark:.3f} (the best end over 3 seeds but DDP's)", flush=True)
+    drawn = {}
+    for label, curve in curves.items():
+        row = label.split(", ALPHA")[0].split(", outer")[0]
+        minutes = {rate: [(e + 1) * steps * rows[row][rate]["step_s"] / 60 for e in range(len(curve))]
+                   for rate in rates if rate in rows.get(row, {})}
+        reached = next((e for e, acc in enumerate(curve) if acc >= mark - 1e-9), None)
+        times = "  ".join(f"{rate} Mbit/s {m[-1]:6.1f} min" + (f" ({m[reached]:.1f} to the mark)"
+                                                              if reached is not None else "")
+                          for rate, m in minutes.items())
+        print(f"  {label:82}{curve[-1]:.3f} ({len(swept[label])})  {times or 'no step measured'}", flush=True)
+        drawn[row] = max(drawn.get(row, ()), (curve[-1], label, minutes))
+    # Each measured row's best setting, a colour each.
+    for colour, (_, label, minutes) in enumerate(d for d in drawn.values() if d[2]):
+        for ax, rate in zip(axes[0], rates):
+            if rate in minutes:
+                ax.plot(minutes[rate], curves[label], "o-", color=f"C{colour}",
+                        label=f"{label} ({len(swept[label])} seeds)")
+    for ax, rate in zip(axes[0], rates):
+        ax.set(xscale="log", xlabel="training minutes (2 simulated nodes, 2 CPU cores)", ylabel="test accuracy",
+               title=f"{rate} Mbit/s: ResNet-18, Fashion-MNIST, 6 epochs of 16 steps")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, "benchmarks", "slow_links_frontier.png"), dpi=100)
+    print("wrote benchmarks/slow_links_frontier.png", flush=True)
 
 
 def no_sync_worker(argv):
