@@ -12,13 +12,14 @@ alone, no start-up, no evaluation), K1 and K2 steps, over K2 - K1: DDP's first s
 rebuilt) and PowerSGD's plain steps fall in the first K1. Bytes: what each rank handed to
 collectives per step (metrics.json's sent_bytes_per_step, the same difference), and what node 0's
 link carried per step (its eth0 tx_bytes, the same difference), beside that link's bytes / rate: the step's
-time on the wire if nothing overlapped. With --rounds N each variant runs N times, the variants taking turns: a row
-is its median run, and its ratio to DDP the median of its rounds' ratios to DDP's step of the same round.
+time on the wire if nothing overlapped. With --rounds N each variant runs N times, the variants taking turns: a
+row's step is the median of its rounds (its bytes a median run's), and its ratio to DDP the median of its rounds'
+ratios to DDP's step of the same round.
 
 DiLoCo's rows beside the no-sync floor: the same diloco_resnet.py run with every sync skipped (this
 file started by torchrun with --no-sync-worker first), its computation alone, at H = 20 and over H = 100's
-steps; "x floor" is a row's step over its floor's (H = 100's for H = 100 rows) of the same round, and each DiLoCo row says what one sync hands (its largest
-fragment) and what node 0's link carried per sync.
+steps; "x floor" is a row's step over its floor's (H = 100's for H = 100 rows) of the same round, and each
+DiLoCo row says what one sync hands (its largest fragment) and what node 0's link carried per sync.
 
     python benchmarks/slow_links.py --rates 10 100 --only DDP "DiLoCo H = 20" "Streaming*" \
         "no-sync*" --accuracy-rate 0 --rounds 2
@@ -75,8 +76,9 @@ VARIANTS = [   # label, script, flags, processes per node, (K1, K2)
 ]
 
 
-# A variant's floor: the no-sync run over the same steps (H = 100's when its label says so, else H = 20's).
-FLOOR = lambda label: f"no-sync floor (DiLoCo H = {100 if 'H = 100' in label else 20}, syncs skipped)"
+# A variant's floor: the no-sync run of H = 100 for a variant of H = 100 (its steps), else of H = 20.
+FLOOR = {label: f"no-sync floor (DiLoCo H = {100 if '100' in flags[1:2] else 20}, syncs skipped)"
+         for label, _, flags, *_ in VARIANTS}
 ACCURACY = [("DDP", "ddp_resnet.py", []), ("DDP + PowerSGD rank 4", "ddp_resnet.py", ["--comm-hook", "powersgd"]),
             ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"])]
 ACCURACY_FLAGS = ["--batch-size", "64", "--train-samples", "1024", "--test-samples", "1000", "--epochs", "6",
@@ -162,11 +164,12 @@ def main(argv=None):
                 runs[label].append(measure(script, flags, procs, rate, k1, k2))
                 if args.rounds > 1:
                     print(f"  round {round_}  {label:42}{runs[label][-1]['step_s']:7.2f}", flush=True)
-        for label, *_ in variants:   # the round with the median step, every round's steps beside it
+        for label, *_ in variants:   # the median step (bytes from a median run), every round's steps beside it
             r = sorted(runs[label], key=lambda run: run["step_s"])[(args.rounds - 1) // 2]
             r["step_s_rounds"] = [run["step_s"] for run in runs[label]]
+            r["step_s"] = statistics.median(r["step_s_rounds"])
             # Over its step of the same round, the median.
-            for key, base in (("x_ddp", "DDP"), ("x_floor", FLOOR(label))):
+            for key, base in (("x_ddp", "DDP"), ("x_floor", FLOOR[label])):
                 if base in runs:
                     r[key] = statistics.median(a["step_s"] / b["step_s"] for a, b in zip(runs[label], runs[base]))
             results.setdefault(label, {})[str(rate)] = r
@@ -189,8 +192,8 @@ def main(argv=None):
 # Settings whose accuracy --sweep measures at ACCURACY_FLAGS' 96 steps: label, script, flags.
 SWEEP = [("DDP", "ddp_resnet.py", []), ("DiLoCo H = 10", "diloco_resnet.py", ["--local-steps", "10"]),
          ("DiLoCo H = 20", "diloco_resnet.py", ["--local-steps", "20"])] + [
-    (f"Streaming DiLoCo H = {h}, F = {f}, TAU = {tau}, ALPHA = {alpha}, outer lr {lr}"
-     + (f", momentum {m}" if m != 0.9 else ""), "diloco_resnet.py",
+    (f"Streaming DiLoCo H = {h}, F = {f}, TAU = {tau}, ALPHA = {alpha}, outer lr {lr}, momentum {m}",
+     "diloco_resnet.py",
      ["--local-steps", str(h), "--fragments", str(f), "--sync-delay", str(tau), "--fragment-alpha", str(alpha),
       "--outer-lr", str(lr), "--outer-momentum", str(m)])
     for h, f, tau, alpha, lr, m in [
@@ -259,15 +262,16 @@ def frontier():
     do not change a step's time). Drawn in benchmarks/slow_links_frontier.png."""
     swept = json.load(open(os.path.join(OUT, "sweep.json")))
     rows = json.load(open(os.path.join(OUT, "results.json")))
-    steps = int(ACCURACY_FLAGS[ACCURACY_FLAGS.index("--train-samples") + 1]) // 64   # an epoch's steps at batch 64
-    rates = sorted({rate for row in rows.values() for rate in row if rate.isdigit()}, key=int)
+    flag = lambda name: int(ACCURACY_FLAGS[ACCURACY_FLAGS.index(name) + 1])
+    steps = flag("--train-samples") // flag("--batch-size")   # an epoch's
+    rates = sorted({rate for label, row in rows.items() if label != "accuracy" for rate in row}, key=int)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt, matplotlib.ticker
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
     curves = {label: [statistics.mean(c) for c in zip(*seeds.values())] for label, seeds in swept.items()}
     # The mark: the best end of a setting other than DDP's over 3 seeds or more; each setting's minutes to it.
-    mark = max(c[-1] for label, c in curves.items() if label != "DDP" and len(swept[label]) >= 3)
+    mark = max((c[-1] for label, c in curves.items() if label != "DDP" and len(swept[label]) >= 3), default=1.0)
     print(f"frontier: mean test accuracy after the last epoch (seeds), training minutes at each rate to it, and to "
           f"{mark:.3f} (the best end over 3 seeds but DDP's)", flush=True)
     drawn = {}
@@ -280,13 +284,14 @@ def frontier():
                                                               if reached is not None else "")
                           for rate, m in minutes.items())
         print(f"  {label:82}{curve[-1]:.3f} ({len(swept[label])})  {times or 'no step measured'}", flush=True)
-        drawn[row] = max(drawn.get(row, ()), (curve[-1], label, minutes))
+        # Drawn: each row's setting of most seeds (3 at most), of those the best end.
+        drawn[row] = max(drawn.get(row, ()), (min(len(swept[label]), 3), curve[-1], label, minutes))
     # Each measured row's best setting, a colour each.
-    for colour, (_, label, minutes) in enumerate(d for d in drawn.values() if d[2]):
+    for colour, (*_, label, minutes) in enumerate(d for d in drawn.values() if d[-1]):
         for ax, rate in zip(axes[0], rates):
             if rate in minutes:
                 ax.plot(minutes[rate], curves[label], "o-", color=f"C{colour}",
-                        label=f"{label} ({len(swept[label])} seeds)")
+                        label=f"{label} ({len(swept[label])} seed{'s' * (len(swept[label]) > 1)})")
     for ax, rate in zip(axes[0], rates):
         ax.set(xscale="log", xlabel="training minutes (2 simulated nodes, 2 CPU cores)", ylabel="test accuracy",
                title=f"{rate} Mbit/s: ResNet-18, Fashion-MNIST, 6 epochs of 16 steps")
