@@ -231,6 +231,19 @@ def fragments(raw_model, count):
     return runs
 
 
+def checked_fragments(raw_model, args, master):
+    """fragments()'s runs, refused in one line unless they are --fragments runs, none empty,
+    holding each parameter that trains once."""
+    runs = fragments(raw_model, args.fragments)
+    held = sorted(id(p) for run in runs for p in run)
+    if len(runs) != args.fragments or not all(runs) or held != sorted(map(id, trained_params(
+            raw_model))):
+        raise SystemExit(f"error: fragments() must cut the parameters that train into --fragments "
+                         f"{args.fragments} runs, none empty, each parameter in one: fewer "
+                         "fragments, or cut them your way there" if master else 1)
+    return runs
+
+
 # ---------------------------------------------------------------- one inner step
 def train_step(model, optimizer, X, y, step, args, sums):
     """This rank's step on its replica, alone: nothing is sent. With --clip-grad-norm this rank's
@@ -686,22 +699,15 @@ def train(args):
     last_step = steps_per_epoch * args.epochs
     final_step = min(args.max_steps or math.inf, last_step)
     optimizer, scheduler = make_optimizer(raw_model, args, steps_per_epoch)
-    runs = fragments(raw_model, args.fragments)
-    held = sorted(id(p) for run in runs for p in run)
-    if len(runs) != args.fragments or not all(runs) or held != sorted(map(id, trained_params(
-            raw_model))):
-        raise SystemExit(f"error: fragments() must cut the parameters that train into --fragments "
-                         f"{args.fragments} runs, none empty, each parameter in one: fewer "
-                         "fragments, or cut them your way there" if master else 1)
-    outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step, runs,
-                  args.sync_delay, args.fragment_alpha)
+    outer = Outer(raw_model, args.outer_lr, args.outer_momentum, args.local_steps, last_step,
+                  checked_fragments(raw_model, args, master), args.sync_delay, args.fragment_alpha)
     devices = common.every_rank(str(device), world_size)
     metrics = common.new_metrics(__file__, args, devices, backend, world_size, len(test_set))
-    flags = resume_flags(args, shape, len(train_set))
     # What a checkpoint keeps of each rank and every rank loads at a resume, by name (each has
     # state_dict() and load_state_dict()): yours go here.
     things = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
-    checkpoint = Checkpoint(args, things, outer, flags, metrics, steps_per_epoch)
+    checkpoint = Checkpoint(args, things, outer, resume_flags(args, shape, len(train_set)), metrics,
+                            steps_per_epoch)
     here = checkpoint.resume(final_step) if args.resume else common.Position()
     if here is None:
         return outer.shared
