@@ -32,10 +32,11 @@ What these flags gave, measured in benchmarks/README.md (ResNet-18, 2 simulated 
 cores, 96 steps): 1.3 points under DDP's test accuracy over 3 seeds. In so short a training the
 default outer step, the paper's Nesterov one meant for thousands of syncs, overshot (`--local-steps
 20 --fragments 4 --sync-delay 4 --fragment-alpha 0.5`: 4.1 points under). A larger H sends less,
-each fragment once every H steps, and a larger TAU leaves the link more time; choose them from
-your link. Over 100 Mbit/s H = 20, TAU = 4 hid the syncs (1.08x the steps without them; H = 8
-1.41x). Over 10 Mbit/s only H = 100, F = 5, TAU = 19 did (0.96x), and in 96 steps one sync a
-fragment did not train it (H = 100, TAU = 15: 0.59 test accuracy).
+each fragment once every H steps, and a larger TAU leaves the link more time: a fragment's bytes
+over your link's rate should fit in TAU steps. Over 100 Mbit/s H = 20, TAU = 4 hid the syncs
+(1.08x the steps without them; H = 8 1.41x). Over 10 Mbit/s only H = 100, F = 5, TAU = 19 did
+(0.96x), and in 96 steps one sync a fragment did not train it (H = 100, TAU = 15: 0.59 test
+accuracy).
 
 With `--local-steps 1 --outer-lr 1 --outer-momentum 0` this is ddp_resnet.py, step for step: the
 average of the ranks' SGD updates from the same weights is the update of their averaged gradient

@@ -126,7 +126,7 @@ def measure(script, flags, procs_per_node, rate_mbit, k1, k2):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", type=int, nargs="+", default=[100], help="link rates, Mbit/s")
     p.add_argument("--only", nargs="+", help="variants by label; one ending with * stands for every label it starts")
     p.add_argument("--accuracy-rate", type=int, default=100, help="Mbit/s of the accuracy runs (0: none)")
@@ -258,8 +258,11 @@ def frontier():
     """Each swept setting's mean test accuracy after each epoch against the training minutes to it at each link rate:
     the epoch's steps times the step measured for its row (the row of its H, F and TAU: ALPHA and the outer optimizer
     do not change a step's time). Drawn in benchmarks/slow_links_frontier.png."""
-    swept = json.load(open(os.path.join(OUT, "sweep.json")))
-    rows = json.load(open(os.path.join(OUT, "results.json")))
+    paths = [os.path.join(OUT, name) for name in ("sweep.json", "results.json")]
+    if not all(map(os.path.exists, paths)):
+        names = " and ".join(os.path.relpath(path, ROOT) for path in paths)
+        sys.exit(f"--frontier reads {names}: run --sweep, and the rows (--rates), first")
+    swept, rows = (json.load(open(path)) for path in paths)
     flag = lambda name: int(ACCURACY_FLAGS[ACCURACY_FLAGS.index(name) + 1])
     steps = flag("--train-samples") // flag("--batch-size")   # an epoch's
     rates = sorted({rate for label, row in rows.items() if label != "accuracy" for rate in row}, key=int)
